@@ -1,13 +1,241 @@
-"""pytest plugin entry point (registered through the ``pytest11`` entry point)."""
+"""pytest plugin entry point (registered through the ``pytest11`` entry point).
+
+Kept thin and free of torch imports so that ``pytest --help`` stays fast: options, the marker,
+the rank fixtures and the call hook. The launching machinery is imported when the first
+distributed test runs.
+"""
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import pytest
+
+from fsdp_testing._spec import DEFAULT_TIMEOUT_S, KNOWN_BACKENDS, MARKER_SIGNATURE, DistSpec, Mode, parse_marker
+from fsdp_testing._task import RANK_FIXTURES, FunctionRef, RankFixture, Task
+
+__all__ = ["dist_backend", "device", "process_group", "rank", "world_size"]
+
+_WS_PARAM = "_fsdp_testing_world_size"
+_settings_key = pytest.StashKey["Any"]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp_testing", "distributed tests (fsdp_testing)")
+    group.addoption(
+        "--dist-timeout",
+        dest="dist_timeout",
+        default=None,
+        metavar="SECONDS",
+        help=f"seconds before a distributed test counts as hung (default {DEFAULT_TIMEOUT_S:g}).",
+    )
+    group.addoption(
+        "--dist-backend",
+        dest="dist_backend",
+        default=None,
+        metavar="NAME",
+        help="backend for process-mode tests whose marker names none (gloo or nccl; default: "
+        "nccl when CUDA has enough devices, else gloo).",
+    )
+    group.addoption(
+        "--no-dist-pool",
+        dest="dist_pool",
+        action="store_false",
+        default=None,
+        help="start fresh rank processes for every test instead of keeping them warm.",
+    )
+    parser.addini("dist_timeout", "default --dist-timeout", default=None)
+    parser.addini("dist_backend", "default --dist-backend", default=None)
+    parser.addini("dist_pool", "keep rank processes warm between tests", type="bool", default=True)
+
+
+def _settings_from(config: pytest.Config) -> Any:
+    from fsdp_testing.launcher import LaunchSettings
+
+    raw_timeout = config.getoption("dist_timeout") or config.getini("dist_timeout")
+    timeout = DEFAULT_TIMEOUT_S
+    if raw_timeout not in (None, ""):
+        try:
+            timeout = float(raw_timeout)
+        except (TypeError, ValueError):
+            timeout = -1.0
+        if not timeout > 0:
+            raise pytest.UsageError(
+                f"--dist-timeout / dist_timeout must be a positive number of seconds, got "
+                f"{raw_timeout!r}"
+            )
+    backend = config.getoption("dist_backend") or config.getini("dist_backend") or None
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise pytest.UsageError(
+            f"--dist-backend / dist_backend must be gloo or nccl, got {backend!r} "
+            f"(thread and fake modes are chosen on the marker: mode='thread' or mode='fake')"
+        )
+    pool = config.getoption("dist_pool")
+    if pool is None:
+        pool = bool(config.getini("dist_pool"))
+    return LaunchSettings(timeout=timeout, backend=backend, pool=pool)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "distributed(world_size=2, *, backend=None, mode='process', timeout=None): "
-        "run the test body once on each rank of a process group.",
+        f"{MARKER_SIGNATURE}: run the test body once on each rank of a process group "
+        "(mode: process, thread or fake). A list of world sizes parametrizes the test.",
     )
+    config.stash[_settings_key] = _settings_from(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import sys
+
+    if "fsdp_testing.launcher" in sys.modules:
+        sys.modules["fsdp_testing.launcher"].shutdown()
+
+
+def _marker_specs(node: Any) -> list[DistSpec] | None:
+    marker = node.get_closest_marker("distributed")
+    if marker is None:
+        return None
+    return parse_marker(marker.args, marker.kwargs)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    specs = _marker_specs(metafunc.definition)
+    if specs is None:
+        return
+    marker = metafunc.definition.get_closest_marker("distributed")
+    assert marker is not None
+    ws_arg = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
+    if isinstance(ws_arg, (list, tuple)):
+        metafunc.fixturenames.append(_WS_PARAM)
+        sizes = [s.world_size for s in specs]
+        metafunc.parametrize(_WS_PARAM, sizes, ids=[f"ws{n}" for n in sizes])
+
+
+def _spec_of(item: pytest.Item) -> DistSpec | None:
+    specs = _marker_specs(item)
+    if specs is None:
+        return None
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and _WS_PARAM in callspec.params:
+        wanted = callspec.params[_WS_PARAM]
+        return next(s for s in specs if s.world_size == wanted)
+    return specs[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    spec = _spec_of(item)
+    if spec is None:
+        return
+    from fsdp_testing.launcher import UnavailableBackend, resolve_backend
+
+    try:
+        resolve_backend(spec, item.config.stash[_settings_key].backend)
+    except UnavailableBackend as exc:
+        pytest.skip(str(exc))
+
+
+def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:
+    spec = _spec_of(request.node)
+    if spec is None:
+        raise pytest.fail(
+            f"fixture {name!r} is only available in distributed tests: mark the test with "
+            f"@pytest.mark.{MARKER_SIGNATURE}",
+            pytrace=False,
+        )
+    return spec
+
+
+@pytest.fixture
+def rank(request: pytest.FixtureRequest) -> Any:
+    """This rank's index in the process group (distributed tests only)."""
+    _require_marker(request, "rank")
+    return RankFixture("rank")
+
+
+@pytest.fixture
+def world_size(request: pytest.FixtureRequest) -> int:
+    """The number of ranks (distributed tests only)."""
+    return _require_marker(request, "world_size").world_size
+
+
+@pytest.fixture
+def process_group(request: pytest.FixtureRequest) -> Any:
+    """The process group of all ranks (distributed tests only)."""
+    _require_marker(request, "process_group")
+    return RankFixture("process_group")
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> Any:
+    """This rank's ``torch.device``: cpu for gloo, this rank's GPU for nccl."""
+    _require_marker(request, "device")
+    return RankFixture("device")
+
+
+@pytest.fixture
+def dist_backend(request: pytest.FixtureRequest) -> str:
+    """The backend the test runs on (distributed tests only)."""
+    spec = _require_marker(request, "dist_backend")
+    from fsdp_testing.launcher import resolve_backend
+
+    return resolve_backend(spec, request.config.stash[_settings_key].backend)
+
+
+def _build_task(item: pytest.Function, spec: DistSpec) -> Task:
+    argnames = item._fixtureinfo.argnames
+    kwargs = {name: item.funcargs[name] for name in argnames}
+    for name in RANK_FIXTURES:
+        if name in kwargs and name not in ("world_size", "dist_backend"):
+            kwargs[name] = RankFixture(name)
+    tbstyle = str(item.config.getoption("tbstyle", "auto"))
+    if spec.mode is not Mode.PROCESS:
+        return Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
+    func = getattr(item.obj, "__func__", item.obj)
+    if "<locals>" in func.__qualname__:
+        raise TypeError(
+            f"{item.nodeid}: process-mode distributed tests must be module-level functions or "
+            "methods of module-level classes, so the ranks can import them"
+        )
+    if item.instance is not None:
+        kwargs = {"self": item.instance, **kwargs}
+    for name, value in kwargs.items():
+        if isinstance(value, RankFixture):
+            continue
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            what = "the test class instance" if name == "self" else f"fixture or parameter {name!r}"
+            raise TypeError(
+                f"{item.nodeid}: {what} ({type(value).__name__}) cannot be sent to the rank "
+                f"processes: {exc}. Make it picklable, build it inside the test body, or use "
+                "mode='thread'."
+            ) from None
+    module = item.module
+    assert module is not None
+    ref = FunctionRef(module.__name__, getattr(module, "__file__", None), func.__qualname__)
+    return Task(target=ref, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    spec = _spec_of(pyfuncitem)
+    if spec is None:
+        return None
+    from fsdp_testing.launcher import run_distributed
+
+    verdict = run_distributed(_build_task(pyfuncitem, spec), spec, pyfuncitem.config.stash[_settings_key])
+    for title, content in verdict.sections:
+        pyfuncitem.add_report_section("call", title, content)
+    if verdict.outcome == "failed":
+        pytest.fail(verdict.message, pytrace=False)
+    elif verdict.outcome == "skipped":
+        pytest.skip(verdict.message)
+    elif verdict.outcome == "xfailed":
+        pytest.xfail(verdict.message)
+    return True
+
+
+_ = KNOWN_BACKENDS

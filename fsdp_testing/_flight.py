@@ -1,0 +1,282 @@
+"""A cheap per-rank record of collectives, readable while the rank is blocked, and the
+analysis that turns the records of all ranks into "where do they diverge".
+
+[Note: flight record]
+A rank stuck in a gloo or threaded-PG collective cannot run Python code (its main thread waits
+in C++ or on a condition), so the record must be readable from outside: in process mode each
+update is written to a small memory-mapped file that the parent reads at a timeout; in thread
+mode the parent reads the recorder object directly. Sequence numbers count per process group,
+so "rank 1 never entered all_gather #12" compares like with like.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "RECORDED_OPS",
+    "FlightRecorder",
+    "describe_divergence",
+    "format_records",
+    "install",
+    "read_record_file",
+    "uninstall",
+]
+
+RECORDED_OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+_FILE_BYTES = 1 << 16
+_HEADER = struct.Struct("<I")
+
+
+class FlightRecorder:
+    """The last ``capacity`` collectives of one rank, oldest first.
+
+    Each entry: ``seq`` (per group), ``op``, ``group``, ``shapes``, ``dtype``, ``state``
+    (``entered``, ``completed``, ``issued`` for async ops, ``raised``).
+    """
+
+    def __init__(self, capacity: int = 32, path: str | None = None) -> None:
+        self.capacity = capacity
+        self.entries: list[dict[str, Any]] = []
+        self._seq: dict[str, int] = {}
+        self._mm: mmap.mmap | None = None
+        if path is not None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, _FILE_BYTES)
+                self._mm = mmap.mmap(fd, _FILE_BYTES)
+            finally:
+                os.close(fd)
+
+    def reset(self) -> None:
+        """Forget the entries and sequence numbers (a new test starts)."""
+        self.entries.clear()
+        self._seq.clear()
+        self._flush()
+
+    def enter(self, op: str, group: str, shapes: list[list[int]], dtype: str | None) -> dict:
+        seq = self._seq.get(group, 0) + 1
+        self._seq[group] = seq
+        entry = {
+            "seq": seq,
+            "op": op,
+            "group": group,
+            "shapes": shapes,
+            "dtype": dtype,
+            "state": "entered",
+            "t": time.time(),
+        }
+        self.entries.append(entry)
+        if len(self.entries) > self.capacity:
+            del self.entries[0]
+        self._flush()
+        return entry
+
+    def finish(self, entry: dict, state: str) -> None:
+        entry["state"] = state
+        self._flush()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [dict(e) for e in self.entries]
+
+    def _flush(self) -> None:
+        if self._mm is None:
+            return
+        data = json.dumps(self.entries).encode()[: _FILE_BYTES - _HEADER.size]
+        self._mm[_HEADER.size : _HEADER.size + len(data)] = data
+        self._mm[: _HEADER.size] = _HEADER.pack(len(data))
+
+
+def read_record_file(path: str) -> list[dict[str, Any]]:
+    """Read a record written by a :class:`FlightRecorder` in another process."""
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(_FILE_BYTES)
+            (n,) = _HEADER.unpack(raw[: _HEADER.size])
+            return list(json.loads(raw[_HEADER.size : _HEADER.size + n] or b"[]"))
+        except (OSError, ValueError, struct.error):
+            time.sleep(0.01)  # a torn read while the rank writes: try again
+    return []
+
+
+# --- wrapping torch.distributed ------------------------------------------------------------
+
+_installed: dict[str, Callable[..., Any]] = {}
+_lookup: Callable[[], FlightRecorder | None] = lambda: None  # noqa: E731
+_install_lock = threading.Lock()
+
+
+def _describe_args(args: tuple, kwargs: dict) -> tuple[str, list[list[int]], str | None]:
+    import torch
+    import torch.distributed as dist
+
+    group = kwargs.get("group")
+    shapes: list[list[int]] = []
+    dtype: str | None = None
+
+    def visit(value: Any) -> None:
+        nonlocal group, dtype
+        if isinstance(value, torch.Tensor):
+            shapes.append(list(value.shape))
+            dtype = dtype or str(value.dtype).replace("torch.", "")
+        elif isinstance(value, (list, tuple)) and len(value) <= 64:
+            for v in value:
+                visit(v)
+        elif group is None and isinstance(value, dist.ProcessGroup):
+            group = value
+
+    for a in args:
+        visit(a)
+    for k, v in kwargs.items():
+        if k != "group":
+            visit(v)
+    if group is None or group is dist.GroupMember.WORLD:
+        name = "default"
+    else:
+        name = f"{getattr(group, 'group_name', '') or hex(id(group))}(size {group.size()})"
+    return name, shapes, dtype
+
+
+def _wrap(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        rec = _lookup()
+        if rec is None:
+            return fn(*args, **kwargs)
+        group, shapes, dtype = _describe_args(args, kwargs)
+        entry = rec.enter(op, group, shapes, dtype)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            rec.finish(entry, "raised")
+            raise
+        rec.finish(entry, "issued" if kwargs.get("async_op") else "completed")
+        return out
+
+    recorded.__wrapped_collective__ = fn  # type: ignore[attr-defined]
+    return recorded
+
+
+def install(lookup: Callable[[], FlightRecorder | None]) -> None:
+    """Wrap the collectives of ``torch.distributed`` so each call is recorded on the recorder
+    that ``lookup()`` returns for the calling rank (None: not recorded)."""
+    global _lookup
+    import torch.distributed as dist
+
+    with _install_lock:
+        _lookup = lookup
+        for op in RECORDED_OPS:
+            fn = getattr(dist, op, None)
+            if fn is None or op in _installed:
+                continue
+            _installed[op] = fn
+            setattr(dist, op, _wrap(op, fn))
+
+
+def uninstall() -> None:
+    """Restore the collectives that :func:`install` wrapped."""
+    global _lookup
+    import torch.distributed as dist
+
+    with _install_lock:
+        for op, fn in _installed.items():
+            setattr(dist, op, fn)
+        _installed.clear()
+        _lookup = lambda: None  # noqa: E731
+
+
+# --- analysis -------------------------------------------------------------------------------
+
+
+def _fmt(e: dict[str, Any]) -> str:
+    return f"{e['op']} #{e['seq']}" + ("" if e["group"] == "default" else f" on {e['group']}")
+
+
+def describe_divergence(records: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """Explain where the ranks' collectives diverge, one line per finding.
+
+    Compares, per process group, how far each rank got: a rank blocked in ``op #k`` while a
+    peer never entered ``#k`` (or entered another op as ``#k``) is the usual cause of a hang.
+    """
+    lines: list[str] = []
+    groups = sorted({e["group"] for entries in records.values() for e in entries})
+    for group in groups:
+        last: dict[int, dict[str, Any] | None] = {}
+        for rank, entries in records.items():
+            mine = [e for e in entries if e["group"] == group]
+            last[rank] = mine[-1] if mine else None
+        waiting = {r: e for r, e in last.items() if e is not None and e["state"] == "entered"}
+        for r, e in sorted(waiting.items()):
+            for peer, pe in sorted(last.items()):
+                if peer == r:
+                    continue
+                if pe is None or pe["seq"] < e["seq"]:
+                    done = "no collective" if pe is None else f"{_fmt(pe)} ({pe['state']})"
+                    lines.append(
+                        f"rank {r} waits in {_fmt(e)} but rank {peer} never entered it "
+                        f"(rank {peer}'s last collective: {done})"
+                    )
+                elif pe["seq"] == e["seq"] and pe["op"] != e["op"] and peer > r:
+                    lines.append(
+                        f"rank {r} waits in {_fmt(e)} while rank {peer} waits in {_fmt(pe)}"
+                    )
+                elif pe["seq"] == e["seq"] and pe["shapes"] != e["shapes"] and peer > r:
+                    lines.append(
+                        f"rank {r} and rank {peer} are both in {_fmt(e)} with different "
+                        f"shapes: {e['shapes']} vs {pe['shapes']}"
+                    )
+    if not lines:
+        inside = [r for r, es in records.items() if es and es[-1]["state"] == "entered"]
+        if inside:
+            lines.append(
+                "ranks " + ", ".join(map(str, inside)) + " wait inside a collective that "
+                "every rank entered (a slow or stuck peer outside any recorded collective?)"
+            )
+        else:
+            lines.append("no rank is inside a recorded collective: the hang is in user code")
+    return lines
+
+
+def format_records(records: dict[int, list[dict[str, Any]]], last: int = 5) -> list[str]:
+    """The last ``last`` collectives of each rank, one line each."""
+    out: list[str] = []
+    for rank in sorted(records):
+        entries = records[rank][-last:]
+        if not entries:
+            out.append(f"  rank {rank}: no collectives recorded")
+            continue
+        out.append(f"  rank {rank}:")
+        for e in entries:
+            out.append(f"    {_fmt(e)} shapes={e['shapes']} dtype={e['dtype']} [{e['state']}]")
+    return out

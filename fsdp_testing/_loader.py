@@ -1,0 +1,83 @@
+"""Resolving a :class:`~fsdp_testing._task.FunctionRef` inside a rank process.
+
+Test modules are loaded with pytest's assertion rewriting, so a failing ``assert`` on a rank
+explains itself the way it would in the parent.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+from fsdp_testing._task import FunctionRef
+
+__all__ = ["resolve"]
+
+
+def _same_file(module: ModuleType, path: str | None) -> bool:
+    mod_file = getattr(module, "__file__", None)
+    if path is None or mod_file is None:
+        return True
+    try:
+        return os.path.samefile(mod_file, path)
+    except OSError:
+        return False
+
+
+def _load_rewritten(name: str, path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise ImportError(f"cannot load test module {name!r} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    with open(path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=path)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, path)
+    except Exception:  # pragma: no cover - a pytest without the private API: plain asserts
+        pass
+    code = compile(tree, path, "exec", dont_inherit=True)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _import(name: str, path: str | None) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is not None and _same_file(module, path):
+        return module
+    if path is not None and os.path.basename(path).startswith(("test_", "conftest")) or (
+        path is not None and os.path.basename(path).endswith("_test.py")
+    ):
+        # Test modules: load from their file with asserts rewritten, as pytest did.
+        parent = name.rpartition(".")[0]
+        if parent:
+            importlib.import_module(parent)
+        return _load_rewritten(name, path)
+    if module is not None:
+        del sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if path is None:
+            raise
+        return _load_rewritten(name, path)
+
+
+def resolve(ref: FunctionRef) -> Any:
+    """Import ``ref.module`` (from ``ref.path`` if needed) and return ``ref.qualname`` in it."""
+    obj: Any = _import(ref.module, ref.path)
+    for part in ref.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,120 @@
+"""The ``distributed`` marker's arguments, parsed and validated without importing torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "KNOWN_BACKENDS",
+    "DistSpec",
+    "Mode",
+    "parse_marker",
+]
+
+DEFAULT_TIMEOUT_S = 120.0
+KNOWN_BACKENDS = ("gloo", "nccl", "fake", "threaded")
+MARKER_SIGNATURE = "distributed(world_size=2, *, backend=None, mode='process', timeout=None)"
+
+
+class Mode(str, enum.Enum):
+    """How the ranks of one test are run."""
+
+    PROCESS = "process"
+    """One OS process per rank (a warm pool by default)."""
+    THREAD = "thread"
+    """One thread per rank over torch's threaded process group."""
+    FAKE = "fake"
+    """One process playing rank 0 of a world of any size over torch's fake backend."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistSpec:
+    """One distributed test's launch parameters, as read from its marker.
+
+    Args:
+        world_size: number of ranks (an int here; a list on the marker parametrizes the test).
+        backend: ``"gloo"``, ``"nccl"``, or None to pick nccl only when CUDA has enough devices.
+        mode: see :class:`Mode`.
+        timeout: seconds before the test is failed and its ranks are stopped; None for the
+            configured default.
+    """
+
+    world_size: int
+    backend: str | None = None
+    mode: Mode = Mode.PROCESS
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise TypeError(
+                f"distributed marker: world_size must be an int or a list of ints, got "
+                f"{self.world_size!r}"
+            )
+        if self.world_size < 1:
+            raise ValueError(
+                f"distributed marker: world_size must be at least 1, got {self.world_size}"
+            )
+        if self.backend is not None and self.backend not in KNOWN_BACKENDS:
+            raise ValueError(
+                f"distributed marker: unknown backend {self.backend!r}; use one of "
+                f"{', '.join(KNOWN_BACKENDS)} or None (nccl when CUDA has enough devices, else "
+                "gloo)"
+            )
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or self.timeout <= 0
+        ):
+            raise ValueError(
+                f"distributed marker: timeout must be a positive number of seconds, got "
+                f"{self.timeout!r}"
+            )
+
+
+def _signature(
+    world_size: int | list[int] | tuple[int, ...] = 2,
+    *,
+    backend: str | None = None,
+    mode: str = "process",
+    timeout: float | None = None,
+) -> tuple[list[int] | None, str | None, Mode, float | None]:
+    sizes: list[int] | None = None
+    if isinstance(world_size, (list, tuple)):
+        if not world_size:
+            raise ValueError("distributed marker: world_size list must not be empty")
+        sizes = list(world_size)
+    else:
+        sizes = [world_size]
+    try:
+        parsed_mode = Mode(mode)
+    except ValueError:
+        raise ValueError(
+            f"distributed marker: unknown mode {mode!r}; use one of "
+            f"{', '.join(m.value for m in Mode)}"
+        ) from None
+    return sizes, backend, parsed_mode, timeout
+
+
+def parse_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistSpec]:
+    """Return one :class:`DistSpec` per world size named by a ``distributed`` marker.
+
+    Raises ``TypeError`` listing the accepted arguments when the marker is malformed and
+    ``ValueError`` for values out of range.
+    """
+    try:
+        sizes, backend, mode, timeout = _signature(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"malformed marker {MARKER_SIGNATURE.split('(')[0]}{_fmt_call(args, kwargs)}: "
+            f"{exc}. Accepted arguments: {MARKER_SIGNATURE}"
+        ) from None
+    assert sizes is not None
+    return [DistSpec(ws, backend, mode, timeout) for ws in sizes]
+
+
+def _fmt_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"

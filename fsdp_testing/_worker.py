@@ -1,0 +1,140 @@
+"""The main loop of one rank process in process mode.
+
+A rank is forked from the fork server (``_zygote.py``) with torch already imported. It joins the
+process group once, then serves tasks from the parent until told to stop: see
+[Note: warm pool isolation] in ``_pool.py`` for what is reset between tasks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from fsdp_testing import _flight
+from fsdp_testing._rank import RankContext, RankState, install_router, run_task
+from fsdp_testing._task import Outcome, RankResult
+
+__all__ = ["STACK_SIGNAL", "connect", "die_with_parent", "serve"]
+
+STACK_SIGNAL = signal.SIGUSR1
+"""The parent sends this to a rank to have it dump every thread's stack into its log."""
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits, so no rank outlives a test
+    session that was killed (best effort elsewhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        except OSError:  # pragma: no cover - no libc: rely on the parent's shutdown
+            pass
+
+
+def connect(address: str) -> Connection:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    return Connection(sock.detach())
+
+
+def serve(
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    gen_dir: str,
+    address: str,
+    pg_timeout_s: float,
+) -> None:
+    """Join the process group as ``rank`` and run tasks from the parent; never returns."""
+    die_with_parent()
+    log_path = os.path.join(gen_dir, f"rank{rank}.log")
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    log = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the rank
+    sys.stdout = sys.stderr = log
+    faulthandler.enable(file=log, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=log, all_threads=True, chain=False)
+
+    conn = connect(address)
+    conn.send(("hello", rank, os.getpid()))
+    try:
+        ctx = _join(rank, world_size, backend, gen_dir, pg_timeout_s)
+    except BaseException:
+        conn.send(("init_failed", rank, traceback.format_exc()))
+        os._exit(1)
+    recorder = _flight.FlightRecorder(path=os.path.join(gen_dir, f"rank{rank}.flight"))
+    _flight.install(lambda: recorder)
+    state = RankState()
+    router = install_router(tee=log)
+    conn.send(("ready", rank, os.getpid()))
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(0)
+        if payload == b"stop":
+            os._exit(0)
+        recorder.reset()
+        try:
+            task = pickle.loads(payload)
+        except BaseException:
+            result = RankResult(
+                rank=rank,
+                outcome=Outcome.FAILED,
+                summary="the task could not be unpickled on the rank",
+                message=traceback.format_exc(),
+            )
+        else:
+            result = run_task(task, ctx, router)
+        state.restore()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            result.needs_restart = True
+        try:
+            conn.send(result)
+        except (OSError, pickle.PicklingError):
+            os._exit(0)
+        if result.needs_restart:
+            os._exit(0)
+
+
+def _join(rank: int, world_size: int, backend: str, gen_dir: str, pg_timeout_s: float) -> RankContext:
+    import torch
+    import torch.distributed as dist
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Ranks share the machine's cores; oversubscribing them makes every test slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(gen_dir, "store"), world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout_s),
+        **({"device_id": device} if backend == "nccl" else {}),
+    )
+    return RankContext(
+        rank=rank,
+        world_size=world_size,
+        process_group=dist.group.WORLD,
+        device=device,
+        dist_backend=backend,
+    )

@@ -1,0 +1,154 @@
+"""Launching a task on the ranks of a process group: the one entry point that the pytest plugin
+and the unittest base classes share.
+
+Each mode is one launcher behind the small :class:`Launcher` protocol: ``process`` (the warm pool
+of forked rank processes, ``_pool.py``) and ``thread``/``fake`` (``_threads.py``). Launchers are
+created on first use and live until :func:`shutdown` (called when the test session ends).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+from typing import Protocol
+
+from fsdp_testing._report import Observation, Verdict, judge
+from fsdp_testing._spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
+from fsdp_testing._task import Task
+
+__all__ = [
+    "LaunchSettings",
+    "Launcher",
+    "UnavailableBackend",
+    "get_launcher",
+    "resolve_backend",
+    "run_distributed",
+    "shutdown",
+]
+
+
+class Launcher(Protocol):
+    def run(
+        self, task: Task, *, world_size: int, backend: str, timeout: float, reuse: bool
+    ) -> Observation: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSettings:
+    """Session-wide defaults (from the command line and ini file).
+
+    Args:
+        timeout: seconds before a test counts as hung, unless its marker says otherwise.
+        backend: backend for process-mode tests whose marker names none (None: automatic).
+        pool: keep ranks warm between tests (``--no-dist-pool`` turns it off).
+    """
+
+    timeout: float = DEFAULT_TIMEOUT_S
+    backend: str | None = None
+    pool: bool = True
+
+
+class UnavailableBackend(Exception):
+    """The test asks for a backend this machine cannot provide; the test is skipped."""
+
+
+def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
+    """The backend a test runs on: see SPEC section 1 (nccl only with enough CUDA devices).
+
+    Raises:
+        UnavailableBackend: nccl was asked for without ``world_size`` CUDA devices.
+        ValueError: the backend does not fit the mode.
+    """
+    if spec.mode is Mode.THREAD:
+        if spec.backend not in (None, "threaded"):
+            raise ValueError(
+                f"distributed marker: mode='thread' runs on torch's threaded process group; "
+                f"backend={spec.backend!r} does not apply (leave backend unset)"
+            )
+        return "threaded"
+    if spec.mode is Mode.FAKE:
+        if spec.backend not in (None, "fake"):
+            raise ValueError(
+                f"distributed marker: mode='fake' runs on torch's fake backend; "
+                f"backend={spec.backend!r} does not apply (leave backend unset)"
+            )
+        return "fake"
+    backend = spec.backend or default
+    if backend in ("threaded", "fake"):
+        raise ValueError(
+            f"distributed marker: backend={backend!r} needs mode={'thread' if backend == 'threaded' else 'fake'!r}"
+        )
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        return "nccl" if gpus >= spec.world_size else "gloo"
+    if backend == "nccl" and gpus < spec.world_size:
+        raise UnavailableBackend(
+            f"nccl with world_size={spec.world_size} needs {spec.world_size} CUDA devices; "
+            f"this machine has {gpus}"
+        )
+    return backend
+
+
+_launchers: dict[Mode, Launcher] = {}
+
+
+def get_launcher(mode: Mode) -> Launcher:
+    """The session's launcher for ``mode``, created on first use."""
+    launcher = _launchers.get(mode)
+    if launcher is None:
+        if mode is Mode.PROCESS:
+            from fsdp_testing._pool import ProcessLauncher
+
+            launcher = ProcessLauncher()
+        else:
+            from fsdp_testing._threads import ThreadLauncher
+
+            launcher = _launchers.get(Mode.THREAD) or ThreadLauncher()
+        _launchers[mode] = launcher
+    return launcher
+
+
+def run_distributed(
+    task: Task, spec: DistSpec, settings: LaunchSettings = LaunchSettings(), *, pool: bool | None = None
+) -> Verdict:
+    """Run ``task`` on every rank that ``spec`` describes and judge the outcome.
+
+    Args:
+        task: what each rank runs.
+        spec: world size, backend, mode and timeout (None: ``settings.timeout``).
+        settings: session defaults.
+        pool: override ``settings.pool`` for this task.
+    """
+    backend = resolve_backend(spec, settings.backend)
+    timeout = spec.timeout if spec.timeout is not None else settings.timeout
+    obs = get_launcher(spec.mode).run(
+        task,
+        world_size=spec.world_size,
+        backend=backend,
+        timeout=timeout,
+        reuse=settings.pool if pool is None else pool,
+    )
+    return judge(obs)
+
+
+def shutdown() -> None:
+    """Stop every rank and helper process this process started."""
+    seen: set[int] = set()
+    for launcher in _launchers.values():
+        if id(launcher) not in seen:
+            seen.add(id(launcher))
+            launcher.shutdown()
+    _launchers.clear()
+
+
+atexit.register(shutdown)
+
+
+def in_launched_job() -> bool:
+    """Whether this process is already a rank of a job started by torchrun."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
