@@ -1,0 +1,266 @@
+"""The engine protocol and the helpers that the engine modules share.
+
+An engine is the one place that knows how a sharding implementation spells "wrap this module",
+"show me the full parameters" and "which function reshards a unit". Models and parity checks talk
+to engines only through :class:`FSDPEngine`, so the same test runs against ``fsdp_core``,
+torch's FSDP1 wrapper and torch's FSDP2 ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = [
+    "UNIT_EVENTS",
+    "FSDPEngine",
+    "PatchTarget",
+    "broadcast_module_states",
+    "clean_param_name",
+    "default_process_group",
+    "has_accelerator",
+    "modules_selected_by_policy",
+    "translate_kwargs",
+]
+
+#: The unit transitions whose implementing function an engine names for patching.
+UNIT_EVENTS = ("unshard", "reshard", "post_backward")
+
+# Prefixes that wrappers insert into parameter names; removing them gives the names the user wrote.
+_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+class PatchTarget(NamedTuple):
+    """Where an engine keeps the callable that implements one unit transition.
+
+    ``owner`` is a class (the method is looked up on instances) or a module (a free function that
+    the engine calls through its module globals). Patching ``setattr(owner, attribute, new)``
+    reaches every call the engine makes.
+    """
+
+    owner: Any
+    attribute: str
+
+    def get(self) -> Callable[..., Any]:
+        """Returns the callable currently installed at this target."""
+        return getattr(self.owner, self.attribute)
+
+
+@runtime_checkable
+class FSDPEngine(Protocol):
+    """What the models and parity checks need from a sharding implementation.
+
+    Engines are stateless singletons obtained from :func:`fsdp_testing.engines.get_engine`.
+    """
+
+    #: Registry name, e.g. ``"torch_fsdp1"``.
+    name: str
+
+    def wrap(
+        self, module: nn.Module, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any
+    ) -> nn.Module:
+        """Shards ``module`` with FSDP1-style keyword arguments (including
+        ``auto_wrap_policy``) and returns the module to train."""
+        ...
+
+    def is_wrapped(self, module: nn.Module) -> bool:
+        """Whether ``module`` itself is a sharded unit of this engine."""
+        ...
+
+    def manages(self, module: nn.Module) -> bool:
+        """Whether ``module`` or any submodule is a sharded unit of this engine."""
+        ...
+
+    def module_wrap_policy(self, module_classes: Iterable[type[nn.Module]]) -> Any:
+        """Returns this engine's policy that wraps every instance of ``module_classes``."""
+        ...
+
+    def always_wrap_policy(self) -> Any:
+        """Returns this engine's policy that wraps every submodule."""
+        ...
+
+    def enable_wrap(
+        self, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any
+    ) -> AbstractContextManager[None]:
+        """Context in which :meth:`wrap_if_enabled` wraps with ``fsdp_kwargs``."""
+        ...
+
+    def wrap_if_enabled(self, module: nn.Module) -> nn.Module:
+        """Wraps ``module`` inside :meth:`enable_wrap`, returns it unchanged outside."""
+        ...
+
+    def full_params(
+        self, module: nn.Module, *, recurse: bool = True, writeback: bool = True
+    ) -> AbstractContextManager[None]:
+        """Context in which ``module.parameters()`` are the full, unsharded parameters;
+        with ``writeback`` in-place changes are sharded back on exit."""
+        ...
+
+    def named_full_params(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """Detached copies of the full parameters, named as in the unwrapped module."""
+        ...
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """A state dict of full (unsharded) tensors, cloned, that
+        :meth:`load_full_state_dict` accepts."""
+        ...
+
+    def load_full_state_dict(self, module: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict produced by :meth:`full_state_dict`."""
+        ...
+
+    @property
+    def unit_class(self) -> type:
+        """The class of this engine's unit (one all-gather, one reduce-scatter)."""
+        ...
+
+    def patch_target(self, event: str) -> PatchTarget:
+        """Where the callable for ``event`` (one of :data:`UNIT_EVENTS`) lives.
+
+        The call signature of the callable differs between engines: a patch should forward
+        ``*args, **kwargs`` unchanged.
+        """
+        ...
+
+
+def clean_param_name(name: str) -> str:
+    """Removes wrapper prefixes (FSDP1, activation checkpointing, ``torch.compile``)."""
+    return _WRAPPER_PREFIXES.sub("", name)
+
+
+def has_accelerator() -> bool:
+    """Whether torch sees a non-CPU accelerator (CUDA, XPU, ...)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def default_process_group() -> dist.ProcessGroup:
+    """The default process group of the calling rank (also per thread under threaded groups)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fsdp_testing: no process group is initialized; run inside a "
+            "@pytest.mark.distributed test or call torch.distributed.init_process_group first"
+        )
+    return dist.distributed_c10d._get_default_group()
+
+
+def broadcast_module_states(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None,
+    *,
+    skip: Callable[[nn.Module], bool] = lambda _: False,
+) -> None:
+    """Copies rank 0's parameters and buffers of ``module`` to every rank of the group.
+
+    Subtrees for which ``skip`` is true are left alone: they are already sharded, and their
+    local tensors are per-rank shards that must not be overwritten.
+
+    Args:
+        module: the module whose states to synchronize in place.
+        process_group: the group; ``None`` means the default group.
+        skip: predicate on submodules whose parameters and buffers must not be touched.
+    """
+    group = process_group if process_group is not None else default_process_group()
+    source = dist.get_global_rank(group, 0)
+    seen: set[int] = set()
+    pending = [module]
+    while pending:
+        current = pending.pop()
+        if current is not module and skip(current):
+            continue
+        states = [*current.parameters(recurse=False), *current.buffers(recurse=False)]
+        with torch.no_grad():
+            for tensor in states:
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                dist.broadcast(tensor.data, src=source, group=group)
+        pending.extend(current.children())
+
+
+def modules_selected_by_policy(root: nn.Module, policy: Any) -> list[nn.Module]:
+    """The submodules of ``root`` (not ``root`` itself) that an FSDP1-style auto-wrap policy
+    wraps, children before parents, so that wrapping them in order is bottom-up.
+
+    Args:
+        root: the module about to be sharded.
+        policy: an object with ``_run_policy(root, ignored_modules, root_kwargs)`` (torch's
+            ``ModuleWrapPolicy`` and friends) or a callable
+            ``policy(module=, recurse=, nonwrapped_numel=)`` (``size_based_auto_wrap_policy``).
+    """
+    if hasattr(policy, "_run_policy"):
+        targets = policy._run_policy(root, set(), {})
+        return [m for m in _post_order(root) if m is not root and m in targets]
+    if not callable(policy):
+        raise TypeError(
+            f"auto_wrap_policy must be a policy object or a callable, got {type(policy).__name__}"
+        )
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        # Returns the number of parameter elements left unwrapped under ``module``.
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            child_numel = sum(p.numel() for p in child.parameters())
+            if policy(module=child, recurse=True, nonwrapped_numel=child_numel):
+                remaining += visit(child)
+            else:
+                remaining += child_numel
+        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=remaining):
+            chosen.append(module)
+            return 0
+        return remaining
+
+    visit(root)
+    return chosen
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def translate_kwargs(fsdp_kwargs: dict[str, Any], targets: dict[str, type]) -> dict[str, Any]:
+    """Converts option values written for another engine into this engine's types.
+
+    Enums are matched by member name (``ShardingStrategy.FULL_SHARD`` of torch becomes
+    ``fsdp_core.ShardingStrategy.FULL_SHARD``); dataclass configs (``CPUOffload``,
+    ``MixedPrecision``) are rebuilt from the fields both classes have. Values already of the
+    target type, ``None`` and options not in ``targets`` pass through.
+
+    Args:
+        fsdp_kwargs: the options as given by the test.
+        targets: option name to this engine's type for that option.
+    """
+    translated = dict(fsdp_kwargs)
+    for key, target in targets.items():
+        value = translated.get(key)
+        if value is None or isinstance(value, target):
+            continue
+        if issubclass(target, enum.Enum) and isinstance(value, enum.Enum):
+            if value.name not in target.__members__:
+                raise ValueError(
+                    f"{key}={value!r} has no counterpart in {target.__module__}.{target.__name__}"
+                    f"; valid members: {', '.join(target.__members__)}"
+                )
+            translated[key] = target[value.name]
+        elif dataclasses.is_dataclass(target) and dataclasses.is_dataclass(value):
+            names = {f.name for f in dataclasses.fields(target) if f.init}
+            fields = {
+                f.name: getattr(value, f.name)
+                for f in dataclasses.fields(value)
+                if f.name in names and not f.name.startswith("_")
+            }
+            translated[key] = target(**fields)
+    return translated
