@@ -1,3 +1,39 @@
-"""fsdp_core: a readable FSDP engine on torch.distributed collectives."""
+"""fsdp_core: a readable FSDP engine on torch.distributed collectives.
 
-__all__: list[str] = []
+Layout (one role per module):
+
+- ``api``: public enums and frozen config dataclasses.
+- ``_param``: one parameter moving between its local dim-0 shard and its unsharded form.
+- ``_unit``: ``FSDPUnit``, the parameters of one fully sharded module, with one all-gather per
+  unshard and one gradient reduction per backward.
+- ``_collectives``: pure functions over ``torch.distributed`` (looked up at call time).
+- ``_exec_order``: the recorded forward order, prefetch targets, cross-rank order validation.
+- ``_runtime``: ``FSDPState``, root lazy init and the forward/backward hooks.
+- ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
+- ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
+- ``fully_sharded_data_parallel``: the FSDP1-style wrapper door.
+"""
+
+from . import events, wrap
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+    TrainingState,
+)
+from .fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
+
+__all__ = [
+    "FSDP",
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "StateDictType",
+    "TrainingState",
+    "events",
+    "wrap",
+]

@@ -1,0 +1,140 @@
+"""Execution order: what ran in the first iteration, what to prefetch, and order validation.
+
+[Note: graph order]
+In the first forward every FSDP instance is appended to the *graph order* when its forward
+finishes (post-order): for ``root -> lin1, lin2, lin3, lin4 -> nested_lin`` that is
+``[lin1, lin2, lin3, nested_lin, lin4, root]``. Backward reaches the units' outputs in the reverse
+of that order, so backward prefetch takes ``graph_order[i - 1]`` for the unit at index ``i``.
+Forward prefetch follows the order in which forwards *start* (pre-order), recorded alongside.
+Prefetching starts in the second iteration, once the order is known.
+
+[Note: order validation]
+If ranks ran units in different orders, their all-gathers would pair up across different units
+and hang or silently mix tensors. During the first iteration, before every collective a unit
+issues (its all-gather or gradient reduction), the ranks of the unit's group all-reduce (MAX) the
+pair ``(code, -code)`` with ``code = 2 * unit_index + op``; if the minimum and maximum differ,
+every rank raises the same error naming the units involved instead of hanging. That costs one
+16-byte all-reduce per unit collective, once. Later iterations compare the local forward order
+against the recorded one and warn once on a deviation (dynamic control flow is legal as long as
+all ranks take the same path).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Literal
+
+import torch.distributed as dist
+
+from . import _collectives
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ._runtime import FSDPState
+
+__all__ = ["ExecOrder"]
+
+_OPS = ("unshard", "reduce")
+
+
+class ExecOrder:
+    """Forward order of the FSDP instances under one root, shared by all of them.
+
+    Args:
+        states: every FSDP state under the root, in ``modules()`` order; the position is the
+            unit index ranks compare in [Note: order validation].
+    """
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self._index = {id(s): i for i, s in enumerate(states)}
+        self.recording = True  # the first forward has not finished
+        self.validating = True  # the first iteration has not finished
+        self.pre_forward_order: list[FSDPState] = []
+        self.post_forward_order: list[FSDPState] = []
+        # The owners (wrapper modules) in post-forward order; the same list on every instance.
+        self.graph_order: list[nn.Module] = []
+        self._forward_pos = 0
+        self._warned = False
+
+    # ------------------------------------------------------------------ recording
+    def record_pre_forward(self, state: FSDPState) -> None:
+        if self.recording:
+            if state not in self.pre_forward_order:
+                self.pre_forward_order.append(state)
+            return
+        pos = self._forward_pos
+        self._forward_pos += 1
+        expected = self.pre_forward_order[pos] if pos < len(self.pre_forward_order) else None
+        if expected is not state and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"[rank {dist.get_rank()}] FSDP forward order changed after the first iteration: "
+                f"forward #{pos} ran {state.fqn!r}, the first iteration ran "
+                f"{expected.fqn if expected else None!r} there. Prefetching follows the first "
+                "iteration's order; all ranks must still run the same units in the same order.",
+                stacklevel=2,
+            )
+
+    def record_post_forward(self, state: FSDPState) -> None:
+        if self.recording and state not in self.post_forward_order:
+            self.post_forward_order.append(state)
+
+    def start_forward(self) -> None:
+        self._forward_pos = 0
+
+    def finish_forward(self) -> None:
+        """Called when the root's forward ends; fixes the graph order after the first one."""
+        if not self.recording:
+            return
+        self.recording = False
+        self.graph_order.extend(s.owner for s in self.post_forward_order)
+        for i, state in enumerate(self.post_forward_order):
+            state.graph_index = i
+
+    def finish_iteration(self) -> None:
+        if not self.recording:
+            self.validating = False
+
+    # ------------------------------------------------------------------ prefetch targets
+    def next_to_forward(self, state: FSDPState) -> FSDPState | None:
+        """The state whose forward starts after ``state``'s, if the order is known."""
+        if self.recording or state not in self.pre_forward_order:
+            return None
+        i = self.pre_forward_order.index(state) + 1
+        return self.pre_forward_order[i] if i < len(self.pre_forward_order) else None
+
+    def next_to_backward(self, state: FSDPState) -> FSDPState | None:
+        """The state whose backward comes after ``state``'s. See [Note: graph order]."""
+        if self.recording or state.graph_index is None or state.graph_index == 0:
+            return None
+        return self.post_forward_order[state.graph_index - 1]
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, state: FSDPState, op: Literal["unshard", "reduce"]) -> None:
+        """Raise if the ranks of ``state``'s group are not at the same unit collective.
+
+        See [Note: order validation].
+        """
+        unit = state.unit
+        if not self.validating or unit is None or unit.group_size == 1:
+            return
+        code = 2 * self._index[id(state)] + _OPS.index(op)
+        low, high = _collectives.check_same_index(code, unit.group, unit.device)
+        if low == high:
+            return
+        others = sorted({low, high} - {code})
+        described = ", ".join(self._describe(c) for c in others)
+        raise RuntimeError(
+            f"[rank {dist.get_rank()}] FSDP ranks ran units in different orders: this rank is "
+            f"about to {self._describe(code)}, another rank is about to {described}. All ranks "
+            "must run the same FSDP instances in the same order in forward and backward; look "
+            "for control flow that depends on the rank or on rank-local data."
+        )
+
+    def _describe(self, code: int) -> str:
+        index, op = divmod(code, 2)
+        name = self.states[index].fqn if 0 <= index < len(self.states) else f"unit #{index}"
+        verb = "all-gather" if _OPS[op] == "unshard" else "reduce gradients of"
+        return f"{verb} {name!r}"

@@ -1,0 +1,131 @@
+"""One original parameter moving between its local dim-0 shard and its unsharded form.
+
+[Note: sharded and unsharded parameters]
+Each original parameter ``p`` (shape ``(rows, *rest)``) is replaced by two ``nn.Parameter``s:
+
+- ``sharded``: this rank's dim-0 chunk, rows ``[rank * chunk_rows, (rank + 1) * chunk_rows)``
+  clipped to ``rows`` (it may have zero rows). It is a view into the unit's flat shard buffer, so
+  the all-gather input needs no copy, and the padding rows behind it stay zero. This is the
+  parameter the module exposes between passes and the one the optimizer steps.
+- ``unsharded``: the full tensor used for compute. Its storage (padded to ``chunk_rows *
+  world`` rows) is allocated on unshard and freed on reshard by resizing the storage in place, so
+  views that autograd saved in forward see the re-gathered values in backward. Writes go
+  through ``.data`` so they do not bump the version counter autograd checks.
+
+With replication (``NO_SHARD``) the chunk is the whole tensor and ``unsharded`` aliases
+``sharded``: nothing is gathered or freed, but gradients still land on ``unsharded`` first so
+that the all-reduce and the accumulation into ``sharded.grad`` stay separate.
+
+Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
+(module, attribute) slot that referred to the original, which also covers tied parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSpec", "ShardedParam"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """An original parameter and every (module, attribute name) slot that refers to it."""
+
+    fqn: str
+    param: nn.Parameter
+    slots: tuple[tuple[nn.Module, str], ...]
+
+
+class ShardedParam:
+    """See [Note: sharded and unsharded parameters]."""
+
+    def __init__(
+        self,
+        spec: ParamSpec,
+        flat_segment: torch.Tensor,
+        *,
+        shard_world: int,
+        shard_rank: int,
+    ) -> None:
+        orig = spec.param
+        self.fqn = spec.fqn
+        self.slots = spec.slots
+        self.full_shape = orig.shape
+        self.rows = orig.shape[0]
+        self.rest = tuple(orig.shape[1:])
+        self.chunk_rows = math.ceil(self.rows / shard_world)
+        self.shard_numel = self.chunk_rows * math.prod(self.rest)
+        self.shard_world = shard_world
+        start = shard_rank * self.chunk_rows
+        self.valid_rows = max(0, min(self.chunk_rows, self.rows - start))
+        self.requires_grad = orig.requires_grad
+
+        self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)  # zero padded
+        with torch.no_grad():
+            self.padded_shard.zero_()
+            self.padded_shard[: self.valid_rows].copy_(orig[start : start + self.valid_rows])
+        self.sharded = nn.Parameter(
+            self.padded_shard[: self.valid_rows], requires_grad=orig.requires_grad
+        )
+        self._replicated = shard_world == 1
+        self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
+        if self._replicated:
+            self._unsharded_padded = None
+            self.unsharded = nn.Parameter(self.sharded.data, requires_grad=orig.requires_grad)
+        else:
+            self._unsharded_padded = torch.empty(
+                (self.chunk_rows * shard_world, *self.rest), dtype=orig.dtype, device=orig.device
+            )
+            self.unsharded = nn.Parameter(
+                self._unsharded_padded[: self.rows], requires_grad=orig.requires_grad
+            )
+            self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
+            self.free_unsharded()
+
+    def alloc_unsharded(self) -> None:
+        if not self._replicated:
+            storage = self.unsharded.untyped_storage()
+            if storage.nbytes() != self._padded_nbytes:
+                storage.resize_(self._padded_nbytes)
+
+    def free_unsharded(self) -> None:
+        if not self._replicated:
+            self.unsharded.untyped_storage().resize_(0)
+
+    def copy_from_gathered(self, gathered: torch.Tensor) -> None:
+        """Fill the unsharded storage from this parameter's ``(world, shard)`` gathered block."""
+        if self._unsharded_padded is None:
+            raise AssertionError(f"{self.fqn}: a replicated parameter is never gathered")
+        # ``.data``: see [Note: sharded and unsharded parameters].
+        self._unsharded_padded.data.view(self.shard_world, self.shard_numel).copy_(gathered)
+
+    def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (full shape) as a ``(world, shard_numel)`` block, zero padded in dim 0."""
+        pad_rows = self.chunk_rows * self.shard_world - self.rows
+        if pad_rows:
+            grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
+        return grad.reshape(self.shard_world, self.shard_numel)
+
+    def accumulate_sharded_grad(self, shard_flat: torch.Tensor) -> None:
+        """Add this rank's reduced gradient (1D, ``shard_numel``, padded) to ``sharded.grad``."""
+        grad = shard_flat.view(self.chunk_rows, *self.rest)[: self.valid_rows]
+        if self.sharded.grad is None:
+            self.sharded.grad = grad
+        else:
+            self.sharded.grad += grad
+
+    def use_unsharded(self) -> None:
+        for module, name in self.slots:
+            module._parameters[name] = self.unsharded
+
+    def use_sharded(self) -> None:
+        for module, name in self.slots:
+            module._parameters[name] = self.sharded
+
+    @property
+    def device(self) -> torch.device:
+        return self.sharded.device

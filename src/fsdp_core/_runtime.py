@@ -1,0 +1,277 @@
+"""Per-instance runtime: root lazy init, forward and backward hooks, prefetching.
+
+An :class:`FSDPState` drives one :class:`~fsdp_core._unit.FSDPUnit` (or none, when the module
+owns no parameters) through a training step. The front door calls :meth:`FSDPState.pre_forward`
+and :meth:`FSDPState.post_forward` around the module's forward (the wrapper from its
+``forward``; a ``fully_shard`` door would register them as module forward hooks); everything in
+backward is driven by autograd hooks the state registers itself:
+
+- pre-backward: a hook on each forward output that requires grad unshards the unit when the
+  gradient reaches it (and prefetches under ``BACKWARD_PRE``);
+- post-backward: a post-accumulate-grad hook on each unsharded parameter; once every parameter
+  of the unit has its gradient, the unit reduces (and prefetches under ``BACKWARD_POST``);
+- a final callback, queued by the root on the first pre-backward, reduces what is left (units
+  with unused parameters), reshards every unit, and checks that all of them are idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from . import events
+from ._exec_order import ExecOrder
+from ._unit import FSDPUnit
+from .api import BackwardPrefetch, ShardingStrategy, TrainingState
+
+__all__ = ["WRAPPED_MODULE_NAME", "FSDPState", "RuntimeConfig", "clean_fqn", "state_of"]
+
+# The attribute under which the wrapper door keeps the wrapped module; never part of a name.
+WRAPPED_MODULE_NAME = "_fsdp_wrapped_module"
+
+# With limit_all_gathers, a prefetch is skipped while this many non-root units are unsharded.
+_MAX_UNSHARDED_FOR_PREFETCH = 2
+
+
+_BACKWARD_STATES = (
+    TrainingState.IDLE,
+    TrainingState.PRE_BACKWARD,
+    TrainingState.POST_BACKWARD,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """The options of one FSDP instance that the runtime acts on."""
+
+    sharding_strategy: ShardingStrategy
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The FSDP state attached to ``module`` (a wrapper, or a ``fully_shard``-ed module)."""
+    state = module.__dict__.get("_fsdp_state")
+    return state if isinstance(state, FSDPState) else None
+
+
+class FSDPState:
+    """Runtime state of one FSDP instance.
+
+    Args:
+        owner: the object users see as the FSDP instance (the wrapper module); this is what
+            ``_fsdp_graph_order`` lists.
+        unit: the unit of parameters this instance owns, or ``None``.
+        config: the instance's options.
+    """
+
+    def __init__(self, owner: nn.Module, unit: FSDPUnit | None, config: RuntimeConfig) -> None:
+        self.owner = owner
+        self.unit = unit
+        self.config = config
+        self.training_state = TrainingState.IDLE
+        self.fqn = ""
+        self.is_root: bool | None = None  # decided at the first forward
+        self.root: FSDPState | None = None
+        self.exec_order: ExecOrder | None = None
+        self.graph_index: int | None = None
+        self.all_states: list[FSDPState] = []  # root only: the cached traversal
+        self._ran_pre_backward = False
+        self._final_callback_queued = False  # root only
+        if unit is not None:
+            for index, param in enumerate(unit.grad_params):
+                param.unsharded.register_post_accumulate_grad_hook(
+                    self._make_grad_ready_hook(index)
+                )
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank()
+
+    def _assert_state(self, *expected: TrainingState) -> None:
+        if self.training_state not in expected:
+            raise AssertionError(
+                f"[rank {self._rank}] FSDP instance {self.fqn!r} is in {self.training_state}, "
+                f"expected one of {[s.name for s in expected]}"
+            )
+
+    # ------------------------------------------------------------------ root lazy init
+    def _lazy_init(self) -> None:
+        """Make this state the root of every FSDP state under its owner (done once)."""
+        self.is_root = True
+        self.root = self
+        states: list[FSDPState] = []
+        for name, module in self.owner.named_modules():
+            state = state_of(module)
+            if state is None:
+                continue
+            if state is not self and state.is_root:
+                raise AssertionError(
+                    f"[rank {self._rank}] FSDP instance {name!r} already ran as a root before "
+                    "its parent's first forward"
+                )
+            state.is_root = state is self
+            state.root = self
+            state.fqn = clean_fqn(name)
+            if state.unit is not None:
+                state.unit.name = state.fqn
+            states.append(state)
+        self.all_states = states
+        order = ExecOrder(states)
+        for state in states:
+            state.exec_order = order
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.is_root is None:
+            self._lazy_init()
+        order = self._order()
+        if self.is_root:
+            order.start_forward()
+        self._assert_state(TrainingState.IDLE)
+        self.training_state = TrainingState.FORWARD
+        order.record_pre_forward(self)
+        self._unshard("forward")
+        if self.config.forward_prefetch:
+            self._prefetch(order.next_to_forward(self), "forward_prefetch")
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        order = self._order()
+        order.record_post_forward(self)
+        grad_enabled = torch.is_grad_enabled()
+        if self.unit is not None and self._reshards_after_forward(grad_enabled):
+            self.unit.reshard("forward")
+        if grad_enabled:
+            self._register_pre_backward_hooks(output)
+        self.training_state = TrainingState.IDLE
+        if self.is_root:
+            order.finish_forward()
+            if not grad_enabled:
+                order.finish_iteration()
+        return output
+
+    def _reshards_after_forward(self, grad_enabled: bool) -> bool:
+        if self.config.sharding_strategy is not ShardingStrategy.FULL_SHARD:
+            return not grad_enabled
+        # The root's parameters are the first ones backward needs: keep them.
+        return not (self.is_root and grad_enabled)
+
+    # ------------------------------------------------------------------ backward
+    def _register_pre_backward_hooks(self, output: Any) -> None:
+        self._ran_pre_backward = False
+        for leaf in pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._pre_backward_hook)
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        if self._ran_pre_backward:
+            return
+        self._ran_pre_backward = True
+        root = self._root()
+        root._queue_final_callback()
+        self._assert_state(TrainingState.IDLE)
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._unshard("backward")
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
+
+    def _make_grad_ready_hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if self.unit is not None and self.unit.mark_grad_ready(index):
+                self._post_backward()
+
+        return hook
+
+    def _post_backward(self, *, prefetch: bool = True) -> None:
+        if self.unit is None:
+            return
+        self._assert_state(TrainingState.PRE_BACKWARD, TrainingState.IDLE)
+        self.training_state = TrainingState.POST_BACKWARD
+        self._order().validate(self, "reduce")
+        self.unit.post_backward()
+        if prefetch and self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
+
+    def _queue_final_callback(self) -> None:
+        if self._final_callback_queued:
+            return
+        self._final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        """Root only: finish the backward of every unit, then check that all are idle."""
+        self._final_callback_queued = False
+        # Same order on every rank: the cached traversal, reversed.
+        for state in reversed(self.all_states):
+            state._assert_state(*_BACKWARD_STATES)
+            unit = state.unit
+            if unit is not None and unit.has_pending_grads():
+                # Some parameter got no gradient in this backward (unused on this path).
+                state._post_backward(prefetch=False)
+            if unit is not None:
+                unit.reshard("backward")  # units without gradients, or prefetched and unused
+                unit.reset_backward()
+            state.training_state = TrainingState.IDLE
+            state._ran_pre_backward = False
+        self._order().finish_iteration()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        """Every unit must be resharded with its gradients reduced once a step ends."""
+        for state in self.all_states:
+            state._assert_state(TrainingState.IDLE)
+            unit = state.unit
+            if unit is not None and (unit.is_unsharded or unit.has_pending_grads()):
+                raise AssertionError(
+                    f"[rank {self._rank}] FSDP unit {state.fqn!r} is not idle after the step "
+                    f"(unsharded={unit.is_unsharded}, unreduced gradients="
+                    f"{unit.has_pending_grads()})"
+                )
+
+    # ------------------------------------------------------------------ helpers
+    def _unshard(self, reason: events.UnshardReason) -> None:
+        unit = self.unit
+        if unit is None or unit.is_unsharded:
+            return
+        self._order().validate(self, "unshard")
+        unit.unshard(reason)
+
+    def _prefetch(self, target: FSDPState | None, reason: events.UnshardReason) -> None:
+        """Unshard ``target`` early; see ``limit_all_gathers`` in the wrapper's docstring."""
+        if target is None or target.unit is None or target.unit.is_unsharded:
+            return
+        if self.config.limit_all_gathers:
+            root = self._root()
+            unsharded = sum(
+                1
+                for s in root.all_states
+                if s is not root and s.unit is not None and s.unit.is_unsharded
+            )
+            if unsharded >= _MAX_UNSHARDED_FOR_PREFETCH:
+                return
+        target._unshard(reason)
+
+    def _order(self) -> ExecOrder:
+        if self.exec_order is None:
+            raise AssertionError(f"[rank {self._rank}] FSDP state used before lazy init")
+        return self.exec_order
+
+    def _root(self) -> FSDPState:
+        if self.root is None:
+            raise AssertionError(f"[rank {self._rank}] FSDP state used before lazy init")
+        return self.root
+
+
+def clean_fqn(name: str) -> str:
+    """``name`` without the wrapper's ``_fsdp_wrapped_module`` components."""
+    return ".".join(part for part in name.split(".") if part != WRAPPED_MODULE_NAME)

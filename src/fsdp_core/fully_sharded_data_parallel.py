@@ -1,0 +1,338 @@
+"""The wrapper door: ``FullyShardedDataParallel`` with torch's FSDP1 names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import wrap as _wrap
+from ._param import ParamSpec
+from ._runtime import WRAPPED_MODULE_NAME, FSDPState, RuntimeConfig, clean_fqn, state_of
+from ._unit import FSDPUnit
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
+
+__all__ = ["FSDP", "FullyShardedDataParallel"]
+
+_LATER_ISSUE = "arrives with the CPU offload / mixed precision work (the next fsdp_core issue)"
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters over ``process_group``, one unit per wrapped module.
+
+    Each wrapped module owns the parameters not owned by a nested wrapped module. Between passes
+    the module (and ``parameters()``, so the optimizer) sees each rank's dim-0 shard of every
+    parameter; forward and backward all-gather the full parameters once per unit and reduce
+    gradients once per unit. ``named_parameters()`` gives the original names.
+
+    Args:
+        module: the module to wrap.
+        process_group: the group to shard over (default ``None``: the default group).
+        sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP`` or ``NO_SHARD``.
+        cpu_offload: ``CPUOffload(offload_params=True)`` is not supported yet (default ``None``).
+        auto_wrap_policy: a policy from :mod:`fsdp_core.wrap` choosing submodules to wrap as
+            their own units (default ``None``: only ``module``).
+        backward_prefetch: ``BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``; which
+            unit is gathered ahead in backward follows the reverse of the first iteration's
+            graph order.
+        mixed_precision: not supported yet; must be ``None`` (default).
+        ignored_modules: modules whose parameters stay unsharded and unreduced (default
+            ``None``).
+        device_id: device to move the module to before sharding (default ``None``: leave it).
+        sync_module_states: broadcast parameters and buffers from rank 0 of the group before
+            sharding (default ``False``).
+        forward_prefetch: gather the next unit in forward order when a unit's forward starts
+            (default ``False``); from the second iteration on.
+        limit_all_gathers: bound the memory held by prefetching (default ``True``). On the CPU
+            (gloo) collectives run synchronously, so there is never more than one all-gather in
+            flight; what this bounds instead is how many units may be unsharded at once through
+            prefetching: a prefetch is skipped while two or more non-root units are already
+            unsharded, and that unit is gathered when it is needed instead.
+        use_orig_params: accepted for compatibility; fsdp_core always exposes the original
+            parameters (as local shards), which is torch's ``use_orig_params=True`` behaviour.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: _wrap.WrapPolicy | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+    ) -> None:
+        super().__init__()
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        _validate_args(module, strategy, cpu_offload, backward_prefetch, mixed_precision)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "FullyShardedDataParallel needs torch.distributed to be initialized; call "
+                "dist.init_process_group(...) before wrapping."
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # for mypy: WORLD is set once initialized
+        ignored = set(ignored_modules or ())
+        bad_ignored = [m for m in ignored if not isinstance(m, nn.Module)]
+        if bad_ignored:
+            raise TypeError(f"ignored_modules takes nn.Module instances, got {bad_ignored}.")
+        ignored = {sub for m in ignored for sub in m.modules()}
+        self.process_group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.sharding_strategy = strategy
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.mixed_precision = mixed_precision
+        self.use_orig_params = use_orig_params
+
+        if auto_wrap_policy is not None:
+            child_kwargs: dict[str, Any] = {
+                "sharding_strategy": strategy,
+                "cpu_offload": cpu_offload,
+                "backward_prefetch": backward_prefetch,
+                "mixed_precision": mixed_precision,
+                "ignored_modules": ignored,
+                "device_id": device_id,
+                "sync_module_states": sync_module_states,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "use_orig_params": use_orig_params,
+            }
+            _wrap.auto_wrap(
+                module,
+                auto_wrap_policy,
+                lambda m: type(self)(m, process_group, **child_kwargs),
+                ignored,
+            )
+        if device_id is not None:
+            module.to(_device_from_id(device_id))
+        specs = _collect_params(module, ignored)
+        if sync_module_states:
+            _sync_module_states(module, specs, ignored, group)
+        unit = (
+            FSDPUnit(module, specs, group, replicate=strategy is ShardingStrategy.NO_SHARD)
+            if specs
+            else None
+        )
+        # Ids of the original parameters this instance and its nested instances took over.
+        self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | {
+            i for child in _nested_wrappers(module) for i in child._consumed_param_ids
+        }
+        setattr(self, WRAPPED_MODULE_NAME, module)
+        config = RuntimeConfig(
+            sharding_strategy=strategy,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
+        self.__dict__["_fsdp_state"] = FSDPState(self, unit, config)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._fsdp_state
+        args, kwargs = state.pre_forward(args, kwargs)
+        output = self.module(*args, **kwargs)
+        return state.post_forward(output)
+
+    # ------------------------------------------------------------------ access
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        wrapped = self._modules[WRAPPED_MODULE_NAME]
+        assert wrapped is not None
+        return wrapped
+
+    @property
+    def _fsdp_state(self) -> FSDPState:
+        return self.__dict__["_fsdp_state"]
+
+    @property
+    def _unit(self) -> FSDPUnit | None:
+        """The unit of parameters this instance owns (``None`` if it owns none)."""
+        return self._fsdp_state.unit
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._fsdp_state.training_state
+
+    @property
+    def _fsdp_graph_order(self) -> list[nn.Module] | None:
+        """FSDP instances in forward (graph) order, recorded in the first iteration."""
+        order = self._fsdp_state.exec_order
+        return order.graph_order if order is not None and not order.recording else None
+
+    @property
+    def _my_fsdp_idx_in_graph(self) -> int | None:
+        return self._fsdp_state.graph_index
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED_MODULE_NAME:
+                raise
+            return getattr(self.module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self.module.__getitem__(key)  # type: ignore[operator]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Like ``nn.Module.named_parameters`` with the original (unwrapped) names."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield clean_fqn(name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like ``nn.Module.named_buffers`` with the original (unwrapped) names."""
+        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield clean_fqn(name), buffer
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """The FSDP instances in ``module``'s tree, in ``modules()`` order.
+
+        Args:
+            module: the tree to search (it may itself be an FSDP instance).
+            root_only: only instances not nested inside another instance (default ``False``).
+        """
+        found: list[FullyShardedDataParallel] = []
+
+        def visit(m: nn.Module, inside: bool) -> None:
+            is_fsdp = isinstance(m, FullyShardedDataParallel)
+            if is_fsdp and not (root_only and inside):
+                found.append(m)  # type: ignore[arg-type]
+            for child in m.children():
+                visit(child, inside or is_fsdp)
+
+        visit(module, False)
+        return found
+
+
+FSDP = FullyShardedDataParallel
+
+
+# ---------------------------------------------------------------------- construction helpers
+def _validate_args(
+    module: nn.Module,
+    strategy: ShardingStrategy,
+    cpu_offload: CPUOffload | None,
+    backward_prefetch: BackwardPrefetch | None,
+    mixed_precision: MixedPrecision | None,
+) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module)!r}.")
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError(
+            "FullyShardedDataParallel(module) got a module that is already wrapped; pass the "
+            "inner module (fsdp.module) or use the existing wrapper."
+        )
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"sharding_strategy takes a ShardingStrategy, got {strategy!r}; e.g. "
+            "ShardingStrategy.FULL_SHARD."
+        )
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        raise NotImplementedError(
+            f"sharding_strategy={strategy} is not supported yet: hybrid sharding comes in a "
+            "later fsdp_core issue. Use FULL_SHARD or SHARD_GRAD_OP."
+        )
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(
+            f"backward_prefetch takes a BackwardPrefetch or None, got {backward_prefetch!r}."
+        )
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"cpu_offload takes a CPUOffload or None, got {cpu_offload!r}.")
+    if cpu_offload is not None and cpu_offload.offload_params:
+        raise NotImplementedError(
+            f"cpu_offload={cpu_offload} is not supported yet: parameter offload {_LATER_ISSUE}. "
+            "Pass cpu_offload=None for now."
+        )
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            f"mixed_precision={mixed_precision} is not supported yet: mixed precision "
+            f"{_LATER_ISSUE}. Pass mixed_precision=None for now."
+        )
+
+
+def _device_from_id(device_id: int | torch.device) -> torch.device:
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if isinstance(device_id, torch.device):
+        return device_id
+    raise TypeError(f"device_id takes an int or torch.device, got {device_id!r}.")
+
+
+def _nested_wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
+    """The FSDP instances directly below ``module`` (not below another instance)."""
+    found: list[FullyShardedDataParallel] = []
+    for child in module.children():
+        if isinstance(child, FullyShardedDataParallel):
+            found.append(child)
+        else:
+            found.extend(_nested_wrappers(child))
+    return found
+
+
+def _collect_params(module: nn.Module, ignored: set[nn.Module]) -> list[ParamSpec]:
+    """The parameters ``module`` owns: not under a nested FSDP instance or an ignored module."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    params: dict[int, tuple[str, nn.Parameter]] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        if m in ignored or (m is not module and state_of(m) is not None):
+            return
+        for name, param in m._parameters.items():
+            if param is None:
+                continue
+            params.setdefault(id(param), (prefix + name, param))
+            slots.setdefault(id(param), []).append((m, name))
+        for child_name, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    nested_ids = {i for w in _nested_wrappers(module) for i in w._consumed_param_ids}
+    shared = [fqn for i, (fqn, _) in params.items() if i in nested_ids]
+    if shared:
+        raise ValueError(
+            f"FullyShardedDataParallel: parameters {sorted(shared)} are shared between a nested "
+            "FSDP instance and its parent. Shared (tied) parameters must belong to one unit: "
+            "wrap their lowest common ancestor instead (change the auto_wrap_policy so the "
+            "modules using them are not wrapped separately)."
+        )
+    scalars = [fqn for fqn, p in params.values() if p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"FullyShardedDataParallel doesn't support scalar parameters {sorted(scalars)}: "
+            "they cannot be sharded in dim 0. Change each to a 1D tensor with numel equal to 1."
+        )
+    return [ParamSpec(clean_fqn(fqn), param, tuple(slots[i])) for i, (fqn, param) in params.items()]
+
+
+def _sync_module_states(
+    module: nn.Module, specs: list[ParamSpec], ignored: set[nn.Module], group: dist.ProcessGroup
+) -> None:
+    """Broadcast this unit's parameters and buffers from the group's rank 0 (in place)."""
+    tensors = [s.param.detach() for s in specs]
+    ignored_ids = {id(b) for m in ignored for b in m.buffers()}
+    tensors += [b.detach() for b in module.buffers() if id(b) not in ignored_ids]
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=src, group=group)
