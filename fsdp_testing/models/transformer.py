@@ -1,0 +1,143 @@
+"""A tiny encoder-decoder transformer whose output projection shares the embedding weight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..engines import current_engine
+from ._base import (
+    DEVICEInitMode,
+    FSDPInitMode,
+    FSDPTestModel,
+    as_device_init_mode,
+    as_fsdp_init_mode,
+    finish_placement,
+    group_rank_and_size,
+    resolve_device,
+)
+
+__all__ = ["TransformerWithSharedParams"]
+
+_HYBRID = {"HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"}
+
+
+class TransformerWithSharedParams(FSDPTestModel):
+    """``embed_tokens -> transformer (2 encoder + 2 decoder layers) -> output_proj`` with
+    ``output_proj.weight`` tied to ``embed_tokens.weight``, a float and a long buffer, and an
+    optional ``BatchNorm1d``. Sized for CPU tests (``d_model=16``, vocabulary 23).
+
+    Args:
+        group: the process group (or a tuple of groups for hybrid sharding).
+        device_init_mode: ``DEVICE_BEFORE`` moves the model to ``device`` on construction.
+        add_bn: include ``BatchNorm1d`` on the target embeddings (else ``Identity``).
+        deterministic: seed the initialization and switch to eval mode (no dropout).
+        device: compute device, default CUDA if available else CPU.
+    """
+
+    d_vocab = 23
+    d_model = 16
+    batch_size = 2
+
+    def __init__(
+        self,
+        group: Any,
+        device_init_mode: DEVICEInitMode,
+        add_bn: bool,
+        deterministic: bool,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.rank, self.world_size = group_rank_and_size(group)
+        self.bs = self.batch_size
+        if deterministic:
+            torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(self.d_vocab, self.d_model)
+        self.transformer = nn.Transformer(
+            d_model=self.d_model,
+            nhead=2,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            dim_feedforward=8,
+            dropout=0.1,
+        )
+        self.output_proj = nn.Linear(self.d_model, self.d_vocab)
+        self.output_proj.weight = self.embed_tokens.weight  # tied: one parameter, two uses
+        self.register_buffer("vocab_bias", torch.ones(self.d_model))
+        self.register_buffer("long_buffer", torch.zeros(self.d_model, dtype=torch.long))
+        self.bn: nn.Module = nn.BatchNorm1d(self.bs) if add_bn else nn.Identity()
+        if as_device_init_mode(device_init_mode) is DEVICEInitMode.DEVICE_BEFORE:
+            self.to(resolve_device(device))
+        if deterministic:
+            self.eval()
+
+    def get_input(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        # Sequence-first token ids, the same on every rank: source 6 x B, target 4 x B.
+        source = torch.arange(6 * self.bs, device=device).reshape(6, self.bs)
+        target = torch.arange(4 * self.bs, device=device).reshape(4, self.bs)
+        return (source, target)
+
+    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        source = self.embed_tokens(src_ids)
+        source = source + self.vocab_bias + self.long_buffer.to(source.dtype)
+        target = self.bn(self.embed_tokens(tgt_ids))
+        hidden = self.transformer(source, target)
+        return self.output_proj(hidden)
+
+    def get_loss(self, input: Any, output: torch.Tensor) -> torch.Tensor:
+        target = input[1]
+        logits = output.reshape(-1, output.shape[-1])
+        return F.cross_entropy(logits, target.reshape(-1), reduction="sum")
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def get_ignored_modules(self) -> list[nn.Module]:
+        """The modules a test may pass as ``ignored_modules``: the transformer body."""
+        return [self.transformer]
+
+    @staticmethod
+    def init(
+        group: dist.ProcessGroup,
+        fsdp_init_mode: FSDPInitMode,
+        device_init_mode: DEVICEInitMode,
+        fsdp_kwargs: dict[str, Any] | None = None,
+        deterministic: bool = False,
+        add_bn: bool = True,
+        *,
+        device: torch.device | str | None = None,
+    ) -> nn.Module:
+        """Builds the model; ``RECURSIVE`` shards the root with the active engine, each encoder
+        and decoder layer a unit unless ``fsdp_kwargs`` names another ``auto_wrap_policy``.
+
+        Args:
+            group: the process group, or a (shard, replicate) tuple for hybrid sharding.
+            fsdp_init_mode: ``NO_FSDP`` or ``RECURSIVE``.
+            device_init_mode: when to move to ``device``.
+            fsdp_kwargs: engine options for the root, default none (not modified).
+            deterministic: seed the initialization, eval mode (default False).
+            add_bn: include batch norm (default True).
+            device: compute device, default CUDA if available else CPU.
+        """
+        placement = as_device_init_mode(device_init_mode)
+        model_group = group[0] if isinstance(group, tuple) else group
+        model = TransformerWithSharedParams(
+            model_group, placement, add_bn, deterministic, device=device
+        )
+        if as_fsdp_init_mode(fsdp_init_mode) is FSDPInitMode.NO_FSDP:
+            return model
+        engine = current_engine()
+        kwargs = dict(fsdp_kwargs or {})
+        if kwargs.get("auto_wrap_policy") is None:
+            layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+            kwargs["auto_wrap_policy"] = engine.module_wrap_policy(layers)
+        strategy = getattr(kwargs.get("sharding_strategy"), "name", None)
+        # Hybrid sharding with a single group lets the engine build the 2D groups itself.
+        wrap_group = None if strategy in _HYBRID and not isinstance(group, tuple) else group
+        sharded = engine.wrap(model, wrap_group, **kwargs)
+        return finish_placement(sharded, placement, resolve_device(device), True)
