@@ -38,7 +38,7 @@ _FACTORIES: dict[str, str | Callable[[], FSDPEngine]] = {
 _INSTANCES: dict[str, FSDPEngine] = {}
 _LOCK = threading.Lock()
 _default_name = DEFAULT_ENGINE
-_selected: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+_selected: contextvars.ContextVar[FSDPEngine | None] = contextvars.ContextVar(
     "fsdp_testing_engine", default=None
 )
 
@@ -123,7 +123,8 @@ def set_default_engine(name: str) -> None:
 
 def current_engine() -> FSDPEngine:
     """The engine selected by the innermost :func:`use_engine`, else the default engine."""
-    return get_engine(_selected.get() or _default_name)
+    selected = _selected.get()
+    return selected if selected is not None else get_engine(_default_name)
 
 
 @contextlib.contextmanager
@@ -131,15 +132,16 @@ def use_engine(engine: str | FSDPEngine) -> Iterator[FSDPEngine]:
     """Selects the engine for the code inside the ``with`` block (this thread only).
 
     Args:
-        engine: a registered name or an engine obtained from :func:`get_engine`.
+        engine: a registered name, or any :class:`FSDPEngine` object (registered or not).
 
     Yields:
         the selected engine.
     """
-    name = engine if isinstance(engine, str) else engine.name
-    _validate_name(name, "use_engine")
-    token = _selected.set(name)
+    chosen = get_engine(engine) if isinstance(engine, str) else engine
+    if not callable(getattr(type(chosen), "wrap", None)):
+        raise TypeError(f"use_engine: expected an engine name or FSDPEngine, got {engine!r}")
+    token = _selected.set(chosen)
     try:
-        yield get_engine(name)
+        yield chosen
     finally:
         _selected.reset(token)
