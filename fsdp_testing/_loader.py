@@ -57,7 +57,7 @@ def _import(name: str, path: str | None) -> ModuleType:
     module = sys.modules.get(name)
     if module is not None and _same_file(module, path):
         return module
-    if path is not None and os.path.basename(path).startswith(("test_", "conftest")) or (
+    if (path is not None and os.path.basename(path).startswith(("test_", "conftest"))) or (
         path is not None and os.path.basename(path).endswith("_test.py")
     ):
         # Test modules: load from their file with asserts rewritten, as pytest did.

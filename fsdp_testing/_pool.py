@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import cast
 
 from fsdp_testing import _flight
 from fsdp_testing._report import Observation
@@ -96,7 +96,7 @@ class ProcessLauncher:
             self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._server.bind(self._address)
             self._server.listen(256)
-        log = open(os.path.join(self._root, "zygote.log"), "ab")  # noqa: SIM115
+        log = open(os.path.join(self._root, "zygote.log"), "ab")
         self._zygote = subprocess.Popen(
             [sys.executable, "-m", "fsdp_testing._zygote", self._address],
             stdin=subprocess.DEVNULL,
@@ -122,14 +122,12 @@ class ProcessLauncher:
     def _statuses(self, pids: list[int], timeout: float) -> dict[int, str | None]:
         conn = self._ensure_zygote()
         conn.send(("status", pids, timeout))
-        kind, statuses = conn.recv()
+        _, statuses = conn.recv()
         return statuses
 
     # --- generations ----------------------------------------------------------------------
 
-    def _start_generation(
-        self, world_size: int, backend: str, pg_timeout_s: float
-    ) -> _Generation:
+    def _start_generation(self, world_size: int, backend: str, pg_timeout_s: float) -> _Generation:
         zconn = self._ensure_zygote()
         self._gen_counter += 1
         gen_dir = os.path.join(self._root, f"gen{self._gen_counter}")
@@ -149,9 +147,9 @@ class ProcessLauncher:
         conns: list[Connection | None] = [None] * world_size
         try:
             for _ in range(world_size):
-                conn = self._accept(START_TIMEOUT_S)
-                _, rank, _pid = conn.recv()
-                conns[rank] = conn
+                accepted = self._accept(START_TIMEOUT_S)
+                _, rank, _pid = accepted.recv()
+                conns[rank] = accepted
             for rank, conn in enumerate(conns):
                 assert conn is not None
                 if not conn.poll(START_TIMEOUT_S):
@@ -235,12 +233,17 @@ class ProcessLauncher:
         obs = Observation(world_size=gen.world_size, timeout=timeout)
         first_failure: float | None = None
         while pending:
-            until = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE_S)
+            until = (
+                deadline
+                if first_failure is None
+                else min(deadline, first_failure + FAILURE_GRACE_S)
+            )
             ready = wait(list(pending), timeout=max(0.0, until - time.monotonic()))
             if not ready:
                 break
-            for conn in ready:
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+            for ready_conn in ready:
+                conn = cast(Connection, ready_conn)
+                rank = pending.pop(conn)
                 try:
                     result: RankResult = conn.recv()
                 except (EOFError, OSError):

@@ -104,7 +104,7 @@ class RankState:
         import torch.distributed.distributed_c10d as c10d
 
         undone: list[str] = []
-        for module, attrs in zip(self._modules, self._attrs):
+        for module, attrs in zip(self._modules, self._attrs, strict=True):
             current = vars(module)
             for key in [k for k in current if k not in attrs]:
                 delattr(module, key)
@@ -198,6 +198,6 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
 def install_router(tee: TextIO | None = None) -> CaptureRouter:
     """Route ``sys.stdout`` and ``sys.stderr`` of this process through one router."""
     router = CaptureRouter(sys.stdout, tee)
-    sys.stdout = router  # type: ignore[assignment]
-    sys.stderr = router  # type: ignore[assignment]
+    sys.stdout = router
+    sys.stderr = router
     return router

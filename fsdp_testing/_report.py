@@ -13,7 +13,7 @@ import dataclasses
 from fsdp_testing._flight import describe_divergence, format_records
 from fsdp_testing._task import Outcome, RankResult
 
-__all__ = ["Observation", "Verdict", "judge"]
+__all__ = ["Observation", "Verdict", "judge", "trim_stack"]
 
 
 @dataclasses.dataclass
@@ -48,6 +48,23 @@ class Verdict:
     """Extra report sections: each rank's captured output."""
 
 
+_HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
+
+
+def trim_stack(text: str) -> str:
+    """Drop the harness's own frames (and their source lines) from a stack dump."""
+    out: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("File "):
+            skipping = any(m in line for m in _HARNESS_MARKERS)
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
 
@@ -55,9 +72,7 @@ def _ranks(ranks: list[int]) -> str:
 def judge(obs: Observation) -> Verdict:
     """Decide the test's outcome from ``obs``."""
     sections = [
-        (f"output [rank {r}]", res.stdout)
-        for r, res in sorted(obs.results.items())
-        if res.stdout
+        (f"output [rank {r}]", res.stdout) for r, res in sorted(obs.results.items()) if res.stdout
     ]
     failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
     if obs.timed_out:
@@ -103,7 +118,7 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             where = obs.stacks.get(rank, "").rstrip()
             parts.append(
                 f"\n[rank {rank}] aborted: still running after {_ranks(sorted(causes))} failed; "
-                "it was stopped. Where it was:\n" + (where or "(no stack dump)")
+                "it was stopped. Where it was:\n" + (trim_stack(where) or "(no stack dump)")
             )
         else:
             parts.append(
@@ -129,7 +144,8 @@ def _timeout_report(obs: Observation) -> str:
         parts.append("\nlast collectives per rank:")
         parts.extend(format_records(obs.records))
     for rank in running:
-        parts.append(f"\n[rank {rank}] stack when the timeout hit:\n{obs.stacks.get(rank, '(none)').rstrip()}")
+        stack = trim_stack(obs.stacks.get(rank, "(none)")).rstrip()
+        parts.append(f"\n[rank {rank}] stack when the timeout hit:\n{stack}")
     for rank, res in sorted(obs.results.items()):
         if res.outcome is Outcome.FAILED:
             parts.append(f"\n[rank {rank}] failed before the timeout:\n{res.message.rstrip()}")

@@ -29,6 +29,13 @@ class _Aborted(BaseException):
         return "aborted by the harness"
 
 
+def _set_thread_isolation(enabled: bool) -> None:
+    import torch
+
+    # Private in torch: gives each thread its own view of the default process group.
+    torch._C._distributed_c10d._set_thread_isolation_mode(enabled)  # type: ignore[attr-defined]
+
+
 def _raise_in(thread: threading.Thread) -> None:
     if thread.ident is not None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(
@@ -61,14 +68,14 @@ class ThreadLauncher:
         else:
             from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
-            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            _set_thread_isolation(True)
             mtpg._install_threaded_pg()
             store = dist.HashStore()
 
             def teardown() -> None:
                 mtpg.ProcessLocalGroup.reset()
                 mtpg._uninstall_threaded_pg()
-                torch._C._distributed_c10d._set_thread_isolation_mode(False)
+                _set_thread_isolation(False)
 
         def wake_peers() -> None:
             if not fake:
@@ -143,7 +150,11 @@ class ThreadLauncher:
                 res.outcome is Outcome.FAILED for res in list(obs.results.values())
             ):
                 first_failure = time.monotonic()
-            until = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE_S)
+            until = (
+                deadline
+                if first_failure is None
+                else min(deadline, first_failure + FAILURE_GRACE_S)
+            )
             if time.monotonic() >= until:
                 obs.stragglers = set(alive)
                 obs.timed_out = first_failure is None

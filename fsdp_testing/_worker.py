@@ -62,7 +62,7 @@ def serve(
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    log = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the rank
+    log = open(1, "w", buffering=1, closefd=False)
     sys.stdout = sys.stderr = log
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=log, all_threads=True, chain=False)
@@ -111,7 +111,9 @@ def serve(
             os._exit(0)
 
 
-def _join(rank: int, world_size: int, backend: str, gen_dir: str, pg_timeout_s: float) -> RankContext:
+def _join(
+    rank: int, world_size: int, backend: str, gen_dir: str, pg_timeout_s: float
+) -> RankContext:
     import torch
     import torch.distributed as dist
 
@@ -129,7 +131,7 @@ def _join(rank: int, world_size: int, backend: str, gen_dir: str, pg_timeout_s: 
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
-        **({"device_id": device} if backend == "nccl" else {}),
+        device_id=device if backend == "nccl" else None,
     )
     return RankContext(
         rank=rank,

@@ -62,9 +62,9 @@ def main(address: str) -> None:
 
     die_with_parent()
     # Preload what every rank needs, so forks start warm.
-    import _pytest._code  # noqa: F401
+    import _pytest._code
     import _pytest.assertion.rewrite  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
 
     import fsdp_testing._rank  # noqa: F401

@@ -78,9 +78,8 @@ def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
         return "fake"
     backend = spec.backend or default
     if backend in ("threaded", "fake"):
-        raise ValueError(
-            f"distributed marker: backend={backend!r} needs mode={'thread' if backend == 'threaded' else 'fake'!r}"
-        )
+        mode = "thread" if backend == "threaded" else "fake"
+        raise ValueError(f"distributed marker: backend={backend!r} needs mode={mode!r}")
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -114,7 +113,11 @@ def get_launcher(mode: Mode) -> Launcher:
 
 
 def run_distributed(
-    task: Task, spec: DistSpec, settings: LaunchSettings = LaunchSettings(), *, pool: bool | None = None
+    task: Task,
+    spec: DistSpec,
+    settings: LaunchSettings = LaunchSettings(),
+    *,
+    pool: bool | None = None,
 ) -> Verdict:
     """Run ``task`` on every rank that ``spec`` describes and judge the outcome.
 

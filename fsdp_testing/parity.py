@@ -82,8 +82,10 @@ def _reference_body(model: nn.Module) -> nn.Module:
     return model
 
 
-def _named_full_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    engine = engine_for(model)
+def _named_full_params(
+    model: nn.Module, engine: FSDPEngine | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    engine = engine if engine is not None else engine_for(model)
     if engine is not None:
         return engine.named_full_params(model)
     return [
@@ -137,12 +139,13 @@ class _TrainingLoop:
         use_pure_fp16: bool,
         sharded_grad_scaler_kwargs: dict[str, Any] | None,
         device: torch.device,
+        engine: FSDPEngine | None = None,
     ) -> None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         self.model = model
         self.test_model = _test_model(model)
-        self.engine = engine_for(model)
+        self.engine = engine if engine is not None else engine_for(model)
         self.autocast = autocast
         self.offload_params = bool(getattr(fsdp_cpu_offload, "offload_params", False))
         self.mixed_precision = mixed_precision
@@ -285,11 +288,12 @@ def _step_divergences(
     loss: torch.Tensor,
     ref_model: nn.Module,
     model: nn.Module,
+    engine: FSDPEngine,
     compare_params: bool,
 ) -> list[Divergence]:
     found = compare_named([("loss", ref_loss.float())], [("loss", loss.float())])
     if compare_params:
-        found += compare_named(_named_full_params(ref_model), _named_full_params(model))
+        found += compare_named(_named_full_params(ref_model), _named_full_params(model, engine))
     return found
 
 
@@ -429,7 +433,7 @@ def check_fsdp_parity(
         device=target,
     )
     ref_loop = _TrainingLoop(ref_model, autocast=mixed_precision is not None, **common)
-    loop = _TrainingLoop(model, autocast=False, **common)
+    loop = _TrainingLoop(model, autocast=False, engine=chosen, **common)
     compare_params = mixed_precision is None and not use_pure_fp16
     ref_name = type(ref_model).__name__
     for step in range(1, num_iters + 1):
@@ -444,7 +448,7 @@ def check_fsdp_parity(
                 f"{target} after wrapping, but step {step} ran"
             )
         loss = loop.step(save_model)
-        found = _step_divergences(ref_loss, loss, ref_model, model, compare_params)
+        found = _step_divergences(ref_loss, loss, ref_model, model, chosen, compare_params)
         where = f"_test_fsdp_parity[{model_class.__name__}, engine {chosen.name}]"
         local = None
         if found:

@@ -12,10 +12,17 @@ from typing import Any
 
 import pytest
 
-from fsdp_testing._spec import DEFAULT_TIMEOUT_S, KNOWN_BACKENDS, MARKER_SIGNATURE, DistSpec, Mode, parse_marker
+from fsdp_testing._spec import (
+    DEFAULT_TIMEOUT_S,
+    KNOWN_BACKENDS,
+    MARKER_SIGNATURE,
+    DistSpec,
+    Mode,
+    parse_marker,
+)
 from fsdp_testing._task import RANK_FIXTURES, FunctionRef, RankFixture, Task
 
-__all__ = ["dist_backend", "device", "process_group", "rank", "world_size"]
+__all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 
 _WS_PARAM = "_fsdp_testing_world_size"
 _settings_key = pytest.StashKey["Any"]()
@@ -226,7 +233,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     from fsdp_testing.launcher import run_distributed
 
-    verdict = run_distributed(_build_task(pyfuncitem, spec), spec, pyfuncitem.config.stash[_settings_key])
+    verdict = run_distributed(
+        _build_task(pyfuncitem, spec), spec, pyfuncitem.config.stash[_settings_key]
+    )
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome == "failed":

@@ -1,0 +1,3 @@
+"""Repo-root conftest for the project's own test suite."""
+
+pytest_plugins = ["pytester"]

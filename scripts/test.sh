@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite: set-up, ruff, mypy, then pytest. pytest's "no tests collected" (exit 5)
+# is a failure here, not a pass.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh || exit 1
+.venv/bin/ruff check fsdp_testing src tests examples benchmarks conftest.py || exit 1
+.venv/bin/mypy || exit 1
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "scripts/test.sh: pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+exit "$rc"

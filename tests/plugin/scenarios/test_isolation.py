@@ -1,0 +1,76 @@
+"""Tests that change process state, each followed by one that checks the state was reset.
+
+Run in order, in one warm pool, by tests/plugin/test_pool.py.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+RECORD = os.environ["SCENARIO_RECORD"]
+
+
+def _note(name, rank):
+    with open(RECORD, "a") as f:
+        f.write(json.dumps({"test": name, "rank": rank, "pid": os.getpid()}) + "\n")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_changes_state(rank):
+    _note("a", rank)
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(1234 + rank)
+    dist.all_reduce = lambda *a, **k: None
+    dist.new_group([0, 1])
+    torch.set_grad_enabled(False)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_b_sees_fresh_state(rank):
+    _note("b", rank)
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.is_grad_enabled()
+    import torch.distributed.distributed_c10d as c10d
+
+    assert len(c10d._world.pg_map) == 1, "the extra group was not destroyed"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2, "all_reduce is still patched"
+    first = torch.rand(1).item()
+    torch.manual_seed(0)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, first)
+    assert gathered[0] == gathered[1], "ranks do not start from the same RNG state"
+
+
+@pytest.mark.distributed(world_size=2)
+def test_c_fails_with_stuck_peer(rank):
+    _note("c", rank)
+    if rank == 0:
+        raise RuntimeError("boom")
+    dist.barrier()
+
+
+@pytest.mark.distributed(world_size=2)
+def test_d_after_failure(rank):
+    _note("d", rank)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+@pytest.mark.distributed(world_size=2)
+def test_e_destroys_group(rank):
+    _note("e", rank)
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed(world_size=2)
+def test_f_after_destroy(rank):
+    _note("f", rank)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2

@@ -1,0 +1,69 @@
+"""The warm pool: ranks are reused between tests, and nothing one test does reaches the next
+(SPEC section 1, "Warm pool"; see [Note: warm pool isolation] in fsdp_testing/_pool.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ._scenario import Run, processes_tagged, run_scenario
+
+
+def _pids(record: Path) -> dict[str, set[int]]:
+    pids: dict[str, set[int]] = {}
+    for line in record.read_text().splitlines():
+        entry = json.loads(line)
+        pids.setdefault(entry["test"], set()).add(entry["pid"])
+    return pids
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, dict[str, set[int]]]:
+    work = tmp_path_factory.mktemp("pooled")
+    record = work / "record.jsonl"
+    run = run_scenario(work, "test_isolation.py", env={"SCENARIO_RECORD": str(record)})
+    return run, _pids(record)
+
+
+def test_state_changes_do_not_reach_the_next_test(pooled: tuple[Run, dict]) -> None:
+    run, _ = pooled
+    case = run.cases["test_b_sees_fresh_state"]
+    assert case.outcome == "passed", case.text
+
+
+def test_ranks_are_reused_between_passing_tests(pooled: tuple[Run, dict]) -> None:
+    _, pids = pooled
+    assert pids["a"] == pids["b"] == pids["c"]
+
+
+def test_pool_is_rebuilt_after_a_failure_with_a_stuck_peer(pooled: tuple[Run, dict]) -> None:
+    run, pids = pooled
+    assert run.cases["test_c_fails_with_stuck_peer"].outcome == "failed"
+    assert run.cases["test_d_after_failure"].outcome == "passed"
+    assert pids["d"].isdisjoint(pids["c"])
+
+
+def test_pool_is_rebuilt_after_the_default_group_is_destroyed(pooled: tuple[Run, dict]) -> None:
+    run, pids = pooled
+    assert run.cases["test_f_after_destroy"].outcome == "passed", run.cases[
+        "test_f_after_destroy"
+    ].text
+    assert pids["f"].isdisjoint(pids["e"])
+
+
+def test_no_pool_option_starts_fresh_ranks_per_test(tmp_path: Path) -> None:
+    record = tmp_path / "record.jsonl"
+    run = run_scenario(
+        tmp_path,
+        "test_isolation.py",
+        "--no-dist-pool",
+        "-k",
+        "a_changes or b_sees",
+        env={"SCENARIO_RECORD": str(record)},
+    )
+    assert run.cases["test_b_sees_fresh_state"].outcome == "passed"
+    pids = _pids(record)
+    assert pids["a"].isdisjoint(pids["b"])
+    assert processes_tagged(run.tag) == []
