@@ -250,6 +250,10 @@ class FSDPState:
         """Unshard ``target`` early; see ``limit_all_gathers`` in the wrapper's docstring."""
         if target is None or target.unit is None or target.unit.is_unsharded:
             return
+        if reason == "backward_prefetch" and target.training_state is not TrainingState.IDLE:
+            # Its backward already started (e.g. a root that owns both the first and the last
+            # layer reduces only at the end): gathering it again would be wasted.
+            return
         if self.config.limit_all_gathers:
             root = self._root()
             unsharded = sum(
