@@ -91,11 +91,11 @@ class TorchFSDP2Engine:
                 f"engine 'torch_fsdp2': unknown FSDP options {', '.join(unknown)}; accepted: "
                 f"{', '.join(sorted(_ACCEPTED))}"
             )
+        shard_kwargs = self._fully_shard_kwargs(fsdp_kwargs)  # validates before any effect
         device = self._device(module, fsdp_kwargs.get("device_id"))
         if fsdp_kwargs.get("device_id") is not None:
             module.to(device)
         group = process_group if process_group is not None else default_process_group()
-        shard_kwargs = self._fully_shard_kwargs(fsdp_kwargs)
         shard_kwargs["mesh"] = self._mesh(group, device.type)
         if fsdp_kwargs.get("sync_module_states"):
             broadcast_module_states(module, group, skip=self.is_wrapped)
