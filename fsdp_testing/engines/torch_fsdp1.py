@@ -12,6 +12,7 @@ offloading with a NotImplementedError. With an accelerator, arguments pass throu
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,6 +59,12 @@ class TorchFSDP1Engine(WrapperEngine):
             },
         )
 
+    def wrap(
+        self, module: nn.Module, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any
+    ) -> nn.Module:
+        _attach_functional_collectives()
+        return super().wrap(module, process_group, **fsdp_kwargs)
+
     def _prepare_kwargs(
         self,
         module: nn.Module,
@@ -82,3 +89,13 @@ class TorchFSDP1Engine(WrapperEngine):
                 module, process_group, skip=lambda m: isinstance(m, self.api.FSDP)
             )
         return kwargs
+
+
+def _attach_functional_collectives() -> None:
+    # FSDP1's FlatParamHandle reads ``torch.distributed._functional_collectives`` as an
+    # attribute without importing it (torch 2.13), so it fails with an AttributeError in a
+    # process where nothing imported it, or where the submodule is in sys.modules but the
+    # attribute on torch.distributed was removed (a warm rank restoring module attributes).
+    module = importlib.import_module("torch.distributed._functional_collectives")
+    if getattr(dist, "_functional_collectives", None) is not module:
+        dist._functional_collectives = module
