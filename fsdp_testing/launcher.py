@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 from typing import Protocol
 
 from fsdp_testing._report import Observation, Verdict, judge
@@ -150,8 +149,3 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
-
-
-def in_launched_job() -> bool:
-    """Whether this process is already a rank of a job started by torchrun."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ

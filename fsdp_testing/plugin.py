@@ -7,6 +7,7 @@ distributed test runs.
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -14,7 +15,6 @@ import pytest
 
 from fsdp_testing._spec import (
     DEFAULT_TIMEOUT_S,
-    KNOWN_BACKENDS,
     MARKER_SIGNATURE,
     DistSpec,
     Mode,
@@ -26,6 +26,7 @@ __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 
 _WS_PARAM = "_fsdp_testing_world_size"
 _settings_key = pytest.StashKey["Any"]()
+_job_key = pytest.StashKey["Any"]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -93,8 +94,25 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_settings_key] = _settings_from(config)
 
 
+def _in_launched_job() -> bool:
+    """Whether this pytest process is one rank of a job started by torchrun."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+if _in_launched_job() and os.environ["RANK"] != "0":
+    # Every rank of a torchrun job runs the same session and judges the same verdicts; only
+    # rank 0 shows it. This must happen at import, before pytest's capture saves the terminal.
+    _devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(_devnull, 1)
+    os.close(_devnull)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     import sys
+
+    job = config.stash.get(_job_key, None)
+    if job is not None:
+        job.close()
 
     if "fsdp_testing.launcher" in sys.modules:
         sys.modules["fsdp_testing.launcher"].shutdown()
@@ -142,6 +160,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         resolve_backend(spec, item.config.stash[_settings_key].backend)
     except UnavailableBackend as exc:
         pytest.skip(str(exc))
+    if _in_launched_job():
+        from fsdp_testing._inplace import launched_world_size
+
+        if spec.mode is not Mode.PROCESS:
+            pytest.skip(
+                f"mode={spec.mode.value!r} tests do not run inside a torchrun job; run them in a "
+                "plain pytest session"
+            )
+        if spec.world_size != launched_world_size():
+            pytest.skip(
+                f"this torchrun job has world size {launched_world_size()}; the test needs "
+                f"{spec.world_size}"
+            )
 
 
 def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:
@@ -226,6 +257,26 @@ def _build_task(item: pytest.Function, spec: DistSpec) -> Task:
     return Task(target=ref, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
 
 
+def _run_in_place(item: pytest.Function, spec: DistSpec) -> Any:
+    from fsdp_testing._inplace import InPlaceJob
+    from fsdp_testing.launcher import resolve_backend
+
+    settings = item.config.stash[_settings_key]
+    timeout = spec.timeout if spec.timeout is not None else settings.timeout
+    job = item.config.stash.get(_job_key, None)
+    if job is None:
+        job = InPlaceJob(resolve_backend(spec, settings.backend), timeout)
+        item.config.stash[_job_key] = job
+    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    for name in ("rank", "process_group", "device"):
+        if name in kwargs:
+            kwargs[name] = RankFixture(name)
+    tbstyle = str(item.config.getoption("tbstyle", "auto"))
+    return job.run(
+        Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle), timeout
+    )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = _spec_of(pyfuncitem)
@@ -233,9 +284,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     from fsdp_testing.launcher import run_distributed
 
-    verdict = run_distributed(
-        _build_task(pyfuncitem, spec), spec, pyfuncitem.config.stash[_settings_key]
-    )
+    if _in_launched_job():
+        verdict = _run_in_place(pyfuncitem, spec)
+    else:
+        verdict = run_distributed(
+            _build_task(pyfuncitem, spec), spec, pyfuncitem.config.stash[_settings_key]
+        )
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome == "failed":
@@ -245,6 +299,3 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     elif verdict.outcome == "xfailed":
         pytest.xfail(verdict.message)
     return True
-
-
-_ = KNOWN_BACKENDS
