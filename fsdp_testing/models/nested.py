@@ -7,6 +7,7 @@ tests that address parameters by name carry over.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -105,7 +106,7 @@ class NestedWrappedModule(FSDPTestModel):
         group: Any,
         fsdp_init_mode: Any,
         device_init_mode: Any,
-        fsdp_kwargs: dict[str, Any] | None,
+        fsdp_kwargs: Mapping[str, Any] | None,
         deterministic: bool,
         device: torch.device | str | None,
         **extra: Any,
@@ -129,7 +130,7 @@ class NestedWrappedModule(FSDPTestModel):
         group: dist.ProcessGroup,
         fsdp_init_mode: FSDPInitMode,
         device_init_mode: DEVICEInitMode,
-        fsdp_kwargs: dict[str, Any] | None = None,
+        fsdp_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         *,
         device: torch.device | str | None = None,
@@ -158,7 +159,7 @@ class AlwaysWrapNestedWrappedModule(NestedWrappedModule):
         group: dist.ProcessGroup,
         fsdp_init_mode: FSDPInitMode,
         device_init_mode: DEVICEInitMode,
-        fsdp_kwargs: dict[str, Any] | None = None,
+        fsdp_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         *,
         device: torch.device | str | None = None,
@@ -202,7 +203,7 @@ class NonUniformReqGradNWM(NestedWrappedModule):
         group: dist.ProcessGroup,
         fsdp_init_mode: FSDPInitMode,
         device_init_mode: DEVICEInitMode,
-        fsdp_kwargs: dict[str, Any] | None = None,
+        fsdp_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         *,
         device: torch.device | str | None = None,
@@ -293,7 +294,7 @@ class MixtureOfExperts(NestedWrappedModule):
         group: dist.ProcessGroup,
         fsdp_init_mode: FSDPInitMode,
         device_init_mode: DEVICEInitMode,
-        fsdp_kwargs: dict[str, Any] | None = None,
+        fsdp_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         delay_before_free_ms: int = 0,
         *,

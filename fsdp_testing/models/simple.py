@@ -52,7 +52,7 @@ class MLP(nn.Module):
     def __init__(
         self,
         dim: int,
-        device: torch.device | None = None,
+        device: torch.device | str | None = None,
         *,
         bias: bool = True,
         with_buffer: bool = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -110,7 +111,7 @@ class TransformerWithSharedParams(FSDPTestModel):
         group: dist.ProcessGroup,
         fsdp_init_mode: FSDPInitMode,
         device_init_mode: DEVICEInitMode,
-        fsdp_kwargs: dict[str, Any] | None = None,
+        fsdp_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         add_bn: bool = True,
         *,
