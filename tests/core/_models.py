@@ -72,9 +72,8 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.inp = nn.Linear(8, 16)
         self.out = nn.Linear(16, 8)
-        with torch.random.fork_rng():
-            torch.manual_seed(1000 + rank)
-            self.expert = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.expert = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        _init_params(self.expert, seed=1000 + rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.expert(self.inp(x))))
@@ -106,9 +105,16 @@ def get_input(kind: str, rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=gen)
 
 
+def _init_params(model: nn.Module, seed: int) -> None:
+    """Deterministic values from a private generator: thread ranks share the global RNG."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+
+
 def build(kind: str, rank: int) -> nn.Module:
     """The unwrapped model ``kind``, identical on every rank except MoE experts."""
-    torch.manual_seed(0)
     models: dict[str, Callable[[], nn.Module]] = {
         "nested": NestedModel,
         "always_wrap": NestedModel,
@@ -116,7 +122,11 @@ def build(kind: str, rank: int) -> nn.Module:
         "transformer": TiedTransformer,
         "moe": functools.partial(MixtureOfExperts, rank),
     }
-    return models[kind]()
+    model = models[kind]()
+    shared = [m for name, m in model.named_children() if name != "expert"]
+    for i, module in enumerate(shared):
+        _init_params(module, seed=i)
+    return model
 
 
 def wrap_model(

@@ -322,9 +322,7 @@ def test_no_shard_all_reduces_once_per_unit(rank, process_group):
 def test_always_wrap_policy_units(rank, process_group):
     """always_wrap_policy makes every parameter-owning submodule a unit; the root has none."""
     model = FSDP(build("always_wrap", rank), process_group, auto_wrap_policy=always_wrap_policy)
-    units = {m._unit.name if m._unit else None for m in FSDP.fsdp_modules(model)}
     assert model._unit is None
-    _step_nested = model(get_input("nested", rank, 0)).sum()
-    _step_nested.backward()
+    model(get_input("nested", rank, 0)).sum().backward()  # names are FQNs once the root is known
     units = {m._unit.name for m in FSDP.fsdp_modules(model) if m._unit is not None}
     assert units == {"inp", "block.0", "block.2", "out"}

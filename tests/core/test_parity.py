@@ -42,3 +42,13 @@ def test_parity_with_data_parallel(kind, rank, world_size, process_group):
         losses = train(model, kind, rank)
         assert_same_losses(losses, ref_losses, exact=exact, what=what)
         assert_same(full_params(model), ref_params, exact=exact, what=what)
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_parity_with_thread_ranks(rank, process_group):
+    """The engine also runs on thread ranks (torch's threaded process group)."""
+    ref_losses, ref_params = reference("nested", build("nested", rank), rank, process_group)
+    model = wrap_model("nested", build("nested", rank), process_group)
+    losses = train(model, "nested", rank)
+    assert_same_losses(losses, ref_losses, exact=True, what="thread ranks")
+    assert_same(full_params(model), ref_params, exact=True, what="thread ranks")

@@ -138,7 +138,7 @@ def test_shared_parameter_across_units_is_rejected(rank, process_group):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_idle_check_catches_a_unit_left_unsharded(rank, process_group, monkeypatch_unit=None):
+def test_idle_check_catches_a_unit_left_unsharded(rank, process_group):
     """If a unit is not resharded by the end of backward, the step fails with [rank N]."""
     model = wrap_model("nested", build("nested", rank), process_group)
     original = FSDPUnit.reshard
