@@ -11,10 +11,12 @@ import random
 import sys
 import threading
 import time
+import types
 import unittest
 from typing import Any, TextIO
 
 from fsdp_testing._loader import resolve
+from fsdp_testing._skips import skip_message_for_exit_code
 from fsdp_testing._task import FunctionRef, Outcome, RankFixture, RankResult, Task
 
 __all__ = ["CaptureRouter", "RankContext", "RankState", "run_task"]
@@ -107,6 +109,8 @@ class RankState:
         for module, attrs in zip(self._modules, self._attrs, strict=True):
             current = vars(module)
             for key in [k for k in current if k not in attrs]:
+                if isinstance(current[key], types.ModuleType):
+                    continue  # a submodule imported during the test stays imported
                 delattr(module, key)
                 undone.append(f"{module.__name__}.{key} (added)")
             for key, value in attrs.items():
@@ -177,12 +181,27 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
     except (Skipped, unittest.SkipTest) as exc:
         result.outcome = Outcome.SKIPPED
         result.message = str(getattr(exc, "msg", None) or exc)
+    except SystemExit as exc:
+        # torch's harness skips a test when a rank exits with a TEST_SKIPS code.
+        message = skip_message_for_exit_code(exc.code)
+        if message is None:
+            result.outcome = Outcome.FAILED
+            result.summary = f"SystemExit: the test body called sys.exit({exc.code!r})"
+            result.message = _format_failure(exc, task.tbstyle)
+            result.comm_error = _is_comm_error(exc)
+        else:
+            result.outcome = Outcome.SKIPPED
+            result.message = message
     except XFailed as exc:
         result.outcome = Outcome.XFAILED
         result.message = str(exc.msg or exc)
     except BaseException as exc:
         result.outcome = Outcome.FAILED
-        result.summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        notes = getattr(exc, "__notes__", None) or []
+        first_line = (str(exc).splitlines() or [""])[0]
+        result.summary = f"{type(exc).__name__}: {first_line}"[:300]
+        if notes:
+            result.summary += " [" + "; ".join(notes) + "]"
         result.message = _format_failure(exc, task.tbstyle)
         result.comm_error = _is_comm_error(exc)
         if isinstance(exc, KeyboardInterrupt):

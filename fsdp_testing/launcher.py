@@ -23,6 +23,8 @@ __all__ = [
     "get_launcher",
     "resolve_backend",
     "run_distributed",
+    "session_settings",
+    "set_session_settings",
     "shutdown",
 ]
 
@@ -93,6 +95,18 @@ def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
 
 
 _launchers: dict[Mode, Launcher] = {}
+_settings = LaunchSettings()
+
+
+def set_session_settings(settings: LaunchSettings) -> None:
+    """Make ``settings`` the defaults for launches that name none (the pytest plugin's options)."""
+    global _settings
+    _settings = settings
+
+
+def session_settings() -> LaunchSettings:
+    """The defaults set by :func:`set_session_settings` (built-in defaults otherwise)."""
+    return _settings
 
 
 def get_launcher(mode: Mode) -> Launcher:

@@ -91,7 +91,11 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER_SIGNATURE}: run the test body once on each rank of a process group "
         "(mode: process, thread or fake). A list of world sizes parametrizes the test.",
     )
-    config.stash[_settings_key] = _settings_from(config)
+    config.stash[_settings_key] = settings = _settings_from(config)
+    if not config.option.help:
+        from fsdp_testing.launcher import set_session_settings
+
+        set_session_settings(settings)
 
 
 def _in_launched_job() -> bool:

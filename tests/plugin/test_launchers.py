@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ._scenario import SCENARIOS, processes_tagged
+from .._scenario import SCENARIOS, processes_tagged
 
 
 def _many_tests(n: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._scenario import Run, line_of, processes_tagged, run_scenario
+from .._scenario import Run, line_of, processes_tagged, run_scenario
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ._scenario import Run, processes_tagged, run_scenario
+from .._scenario import Run, processes_tagged, run_scenario
 
 
 def _pids(record: Path) -> dict[str, set[int]]:

@@ -3,8 +3,10 @@
 Run in order, in one warm pool, by tests/plugin/test_pool.py.
 """
 
+import importlib
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -26,6 +28,8 @@ def test_a_changes_state(rank):
     dist.all_reduce = lambda *a, **k: None
     dist.new_group([0, 1])
     torch.set_grad_enabled(False)
+    dist.my_helper = "added by the test"
+    importlib.import_module("torch.distributed._functional_collectives")  # a lazy submodule
 
 
 @pytest.mark.distributed(world_size=2)
@@ -39,6 +43,9 @@ def test_b_sees_fresh_state(rank):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2, "all_reduce is still patched"
+    assert not hasattr(dist, "my_helper"), "an attribute added by the previous test survived"
+    if "torch.distributed._functional_collectives" in sys.modules:
+        assert hasattr(dist, "_functional_collectives"), "a submodule lost its attribute"
     first = torch.rand(1).item()
     torch.manual_seed(0)
     gathered = [None, None]

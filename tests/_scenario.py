@@ -10,7 +10,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-SCENARIOS = Path(__file__).parent / "scenarios"
+SCENARIOS = Path(__file__).parent / "plugin" / "scenarios"
 
 
 @dataclasses.dataclass
@@ -36,10 +36,12 @@ def run_scenario(
     *args: str,
     env: dict[str, str] | None = None,
     timeout: float = 300,
+    scenarios: Path = SCENARIOS,
 ) -> Run:
     """Copy ``filename`` (and the scenarios' conftest) into ``workdir`` and run pytest on it."""
     for name in ("conftest.py", filename):
-        shutil.copy(SCENARIOS / name, workdir / name)
+        if (scenarios / name).exists():
+            shutil.copy(scenarios / name, workdir / name)
     xml_path = workdir / "report.xml"
     tag = f"fsdp-testing-scenario-{os.getpid()}-{workdir.name}"
     proc = subprocess.run(
