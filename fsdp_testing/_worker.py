@@ -74,6 +74,10 @@ def serve(
     except BaseException:
         conn.send(("init_failed", rank, traceback.format_exc()))
         os._exit(1)
+    if os.environ.get("FSDP_TESTING_ENGINE"):
+        from fsdp_testing.engines import set_default_engine
+
+        set_default_engine(os.environ["FSDP_TESTING_ENGINE"])
     recorder = _flight.FlightRecorder(path=os.path.join(gen_dir, f"rank{rank}.flight"))
     _flight.install(lambda: recorder)
     state = RankState()

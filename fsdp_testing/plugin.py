@@ -27,6 +27,9 @@ __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 _WS_PARAM = "_fsdp_testing_world_size"
 _settings_key = pytest.StashKey["Any"]()
 _job_key = pytest.StashKey["Any"]()
+_engine_env_key = pytest.StashKey["str | None"]()
+ENGINE_ENV = "FSDP_TESTING_ENGINE"
+"""Carries ``--fsdp-engine`` to the rank processes."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,7 +56,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="start fresh rank processes for every test instead of keeping them warm.",
     )
+    group.addoption(
+        "--fsdp-engine",
+        dest="fsdp_engine",
+        default=None,
+        metavar="NAME",
+        help="engine the reference models and parity checks shard with: fsdp_core (default), "
+        "torch_fsdp1 or torch_fsdp2.",
+    )
     parser.addini("dist_timeout", "default --dist-timeout", default=None)
+    parser.addini("fsdp_engine", "default --fsdp-engine", default=None)
     parser.addini("dist_backend", "default --dist-backend", default=None)
     parser.addini("dist_pool", "keep rank processes warm between tests", type="bool", default=True)
 
@@ -96,6 +108,22 @@ def pytest_configure(config: pytest.Config) -> None:
         from fsdp_testing.launcher import set_session_settings
 
         set_session_settings(settings)
+        _select_engine(config)
+
+
+def _select_engine(config: pytest.Config) -> None:
+    name = config.getoption("fsdp_engine") or config.getini("fsdp_engine")
+    if not name:
+        return
+    from fsdp_testing.engines import set_default_engine
+
+    try:
+        set_default_engine(name)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--fsdp-engine / fsdp_engine: {exc}") from None
+    # Rank processes are forked later from a server started with this environment.
+    config.stash[_engine_env_key] = os.environ.get(ENGINE_ENV)
+    os.environ[ENGINE_ENV] = name
 
 
 def _in_launched_job() -> bool:
@@ -117,6 +145,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     job = config.stash.get(_job_key, None)
     if job is not None:
         job.close()
+    if _engine_env_key in config.stash:
+        previous = config.stash[_engine_env_key]
+        if previous is None:
+            os.environ.pop(ENGINE_ENV, None)
+        else:
+            os.environ[ENGINE_ENV] = previous
 
     if "fsdp_testing.launcher" in sys.modules:
         sys.modules["fsdp_testing.launcher"].shutdown()

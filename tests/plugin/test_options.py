@@ -154,3 +154,32 @@ def test_ini_timeout_applies(pytester: pytest.Pytester) -> None:
     )
     result = pytester.runpytest_subprocess()
     result.stdout.fnmatch_lines(["*timed out after 1.5 s: rank 0 still running*"])
+
+
+def test_fsdp_engine_option_selects_the_engine_on_the_ranks(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from fsdp_testing.engines import current_engine
+
+        @pytest.mark.distributed(world_size=2)
+        def test_process(rank):
+            assert current_engine().name == "torch_fsdp1"
+
+        @pytest.mark.distributed(world_size=2, mode="thread")
+        def test_thread(rank):
+            assert current_engine().name == "torch_fsdp1"
+
+        def test_parent():
+            assert current_engine().name == "torch_fsdp1"
+        """
+    )
+    result = pytester.runpytest_subprocess("--fsdp-engine", "torch_fsdp1")
+    result.assert_outcomes(passed=3)
+
+
+def test_unknown_fsdp_engine_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess("--fsdp-engine", "megatron")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--fsdp-engine / fsdp_engine:*megatron*fsdp_core*"])
