@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = [
+    "OPTIONAL_PATCH_EVENTS",
     "UNIT_EVENTS",
     "FSDPEngine",
     "PatchTarget",
@@ -33,6 +34,11 @@ __all__ = [
 
 #: The unit transitions whose implementing function an engine names for patching.
 UNIT_EVENTS = ("unshard", "reshard", "post_backward")
+
+#: Patch points that only some engines have; :meth:`FSDPEngine.patch_target` raises ValueError
+#: for those it lacks. ``register_post_backward_hook_backward``: the ``backward`` of the autograd
+#: function around which FSDP2 runs its post-backward (``RegisterPostBackwardFunction``).
+OPTIONAL_PATCH_EVENTS = ("register_post_backward_hook_backward",)
 
 # Prefixes that wrappers insert into parameter names; removing them gives the names the user wrote.
 _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
@@ -123,7 +129,8 @@ class FSDPEngine(Protocol):
         ...
 
     def patch_target(self, event: str) -> PatchTarget:
-        """Where the callable for ``event`` (one of :data:`UNIT_EVENTS`) lives.
+        """Where the callable for ``event`` (one of :data:`UNIT_EVENTS`, or of
+        :data:`OPTIONAL_PATCH_EVENTS` where the engine has it) lives.
 
         The call signature of the callable differs between engines: a patch should forward
         ``*args, **kwargs`` unchanged.

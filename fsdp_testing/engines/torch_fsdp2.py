@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._base import (
+    OPTIONAL_PATCH_EVENTS,
     UNIT_EVENTS,
     PatchTarget,
     broadcast_module_states,
@@ -264,10 +265,17 @@ class TorchFSDP2Engine:
         return FSDPParamGroup
 
     def patch_target(self, event: str) -> PatchTarget:
+        if event == "register_post_backward_hook_backward":
+            # See OPTIONAL_PATCH_EVENTS: the autograd function whose backward runs post_backward.
+            from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
+                RegisterPostBackwardFunction,
+            )
+
+            return PatchTarget(RegisterPostBackwardFunction, "backward")
         if event not in UNIT_EVENTS:
             raise ValueError(
                 f"torch_fsdp2.patch_target: unknown event {event!r}; "
-                f"expected one of {', '.join(UNIT_EVENTS)}"
+                f"expected one of {', '.join(UNIT_EVENTS + OPTIONAL_PATCH_EVENTS)}"
             )
         return PatchTarget(self.unit_class, event)
 
