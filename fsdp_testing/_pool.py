@@ -208,7 +208,8 @@ class ProcessLauncher:
             reuse: keep the ranks warm for the next test when they can be trusted.
         """
         key = (world_size, backend)
-        gen = self._pools.pop(key, None)
+        # A fresh-process test leaves the warm generation (if any) for the tests after it.
+        gen = self._pools.pop(key, None) if reuse else None
         if gen is None:
             gen = self._start_generation(world_size, backend, pg_timeout_s=max(timeout, 30.0))
         payload = pickle.dumps(task)

@@ -103,6 +103,11 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER_SIGNATURE}: run the test body once on each rank of a process group "
         "(mode: process, thread or fake). A list of world sizes parametrizes the test.",
     )
+    config.addinivalue_line(
+        "markers",
+        "no_dist_pool: run this distributed test on freshly forked rank processes instead of "
+        "the warm pool (as --no-dist-pool does for every test).",
+    )
     config.stash[_settings_key] = settings = _settings_from(config)
     if not config.option.help:
         from fsdp_testing.launcher import set_session_settings
@@ -325,8 +330,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if _in_launched_job():
         verdict = _run_in_place(pyfuncitem, spec)
     else:
+        fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
         verdict = run_distributed(
-            _build_task(pyfuncitem, spec), spec, pyfuncitem.config.stash[_settings_key]
+            _build_task(pyfuncitem, spec),
+            spec,
+            pyfuncitem.config.stash[_settings_key],
+            pool=False if fresh else None,
         )
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)

@@ -168,6 +168,8 @@ class _DistributedTestCase(unittest.TestCase):
     """Seconds before a test method counts as hung (None: the session default, 120 s)."""
     backend: str | None = None
     """Process mode: ``"gloo"``/``"nccl"``, None for nccl only with enough GPUs."""
+    use_warm_pool: bool = True
+    """False: run this class's methods on freshly forked rank processes."""
 
     rank: int
     file_name: str
@@ -273,7 +275,10 @@ class _DistributedTestCase(unittest.TestCase):
             target = _LocalMethodTask(type(self), self._rank_method, file_name)
         try:
             verdict = run_distributed(
-                Task(target=target, kwargs={}, test_id=test_id), spec, settings
+                Task(target=target, kwargs={}, test_id=test_id),
+                spec,
+                settings,
+                pool=None if self.use_warm_pool else False,
             )
         finally:
             if os.path.exists(file_name):

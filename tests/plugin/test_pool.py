@@ -53,6 +53,13 @@ def test_pool_is_rebuilt_after_the_default_group_is_destroyed(pooled: tuple[Run,
     assert pids["f"].isdisjoint(pids["e"])
 
 
+def test_no_dist_pool_marker_gives_one_test_fresh_ranks(pooled: tuple[Run, dict]) -> None:
+    run, pids = pooled
+    assert run.cases["test_h_fresh"].outcome == "passed"
+    assert pids["h"].isdisjoint(pids["g"]), "the marked test reused warm ranks"
+    assert pids["i"] == pids["g"], "the warm pool should survive a fresh-process test"
+
+
 def test_no_pool_option_starts_fresh_ranks_per_test(tmp_path: Path) -> None:
     record = tmp_path / "record.jsonl"
     run = run_scenario(

@@ -79,6 +79,11 @@ def test_torch_style_self_initialised_group_works_on_warm_ranks(run: Run) -> Non
     assert case.outcome == "passed", case.text
 
 
+def test_use_warm_pool_false_forks_fresh_ranks_per_method(run: Run) -> None:
+    assert run.cases["test_first"].outcome == "passed", run.cases["test_first"].text
+    assert run.cases["test_second"].outcome == "passed", run.cases["test_second"].text
+
+
 def test_node_ids_and_k_select_methods(tmp_path: Path) -> None:
     run = run_scenario(
         tmp_path, "test_mixed.py", "-k", "test_passes or test_skips", scenarios=SCENARIOS
@@ -98,7 +103,7 @@ def test_python_m_unittest_runs_the_same_classes(tmp_path: Path) -> None:
     )
     out = proc.stderr
     assert proc.returncode == 1
-    assert re.search(r"Ran 15 tests", out)
+    assert re.search(r"Ran 17 tests", out)
     assert "FAILED (failures=4, skipped=3)" in out
     assert "test_passes (test_mixed.TestMixed.test_passes) ... ok" in out
     assert "rank 1 failed: AssertionError: 1 != 0 : rank one is off" in out

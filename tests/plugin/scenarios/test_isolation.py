@@ -81,3 +81,19 @@ def test_f_after_destroy(rank):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2
+
+
+@pytest.mark.distributed(world_size=2)
+def test_g_warm(rank):
+    _note("g", rank)
+
+
+@pytest.mark.no_dist_pool
+@pytest.mark.distributed(world_size=2)
+def test_h_fresh(rank):
+    _note("h", rank)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_i_warm_again(rank):
+    _note("i", rank)

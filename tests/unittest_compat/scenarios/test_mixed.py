@@ -124,5 +124,27 @@ class TestPlainThreads(MultiThreadedTestCase):
         assert dist.get_world_size() == 4 == self.world_size
 
 
+_calls_seen_by_this_process = []
+
+
+class TestFreshRanks(MultiProcessTestCase):
+    """With use_warm_pool = False, every method gets freshly forked ranks: module state set by
+    one method is gone in the next."""
+
+    use_warm_pool = False
+
+    @property
+    def world_size(self):
+        return 2
+
+    def test_first(self):
+        _calls_seen_by_this_process.append("first")
+        assert _calls_seen_by_this_process == ["first"]
+
+    def test_second(self):
+        _calls_seen_by_this_process.append("second")
+        assert _calls_seen_by_this_process == ["second"]
+
+
 if __name__ == "__main__":
     run_tests()
