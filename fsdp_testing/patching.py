@@ -8,9 +8,9 @@ only changes its import; the behaviour differs where torch's would be wrong or n
   engine), so ``patch_unshard`` reaches ``fsdp_core``'s ``FSDPUnit.unshard``, FSDP1's
   ``_runtime_utils._unshard`` or FSDP2's ``FSDPParamGroup.unshard``;
 - both torch spellings of a collective: ``patch_all_gather`` replaces ``all_gather_single`` and
-  ``all_gather_into_tensor`` (whichever exist), ``patch_reduce_scatter`` replaces
-  ``reduce_scatter_single`` and ``reduce_scatter_tensor``; see [Note: collective calling
-  convention];
+  ``all_gather_into_tensor`` (whichever exist, and the list form FSDP1 uses on CPU),
+  ``patch_reduce_scatter`` replaces ``reduce_scatter_single`` and ``reduce_scatter_tensor``; see
+  [Note: collective calling convention] and [Note: list all-gather];
 - thread ranks: see [Note: patching under thread ranks].
 
 [Note: patching under thread ranks]
@@ -43,6 +43,14 @@ name the engine used: output and input positionally, everything else by keyword:
     new_reduce_scatter(output, input, *, op=..., group=..., async_op=...)
 
 Only the keywords the caller passed are forwarded. The originals of both names accept that call.
+
+[Note: list all-gather]
+On CPU, torch's FSDP1 all-gathers with the list form ``dist.all_gather(tensor_list, tensor)``,
+where ``tensor_list`` is ``torch.chunk`` of one flat buffer. :func:`patch_all_gather` replaces
+``dist.all_gather`` too: a call whose list is consecutive equal 1D slices of one buffer reaches
+the replacement as the single-tensor call on that buffer (the same collective, so the replacement
+may run ``dist.all_gather_single`` on it); any other list all-gather (a test's own
+``dist.all_gather`` of unrelated tensors) bypasses the replacement.
 """
 
 from __future__ import annotations
@@ -73,15 +81,15 @@ __all__ = [
     "reduce_scatter_with_assert",
 ]
 
-#: torch.distributed names that are one collective (old and new spelling), with the names of
-#: their first two parameters (output, input). See [Note: collective calling convention].
-_COLLECTIVE_FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
-    "all_gather": (
-        ("all_gather_single", "all_gather_into_tensor"),
-        ("output_tensor", "input_tensor"),
-    ),
-    "reduce_scatter": (("reduce_scatter_single", "reduce_scatter_tensor"), ("output", "input")),
+#: torch.distributed names that are one collective: the single-tensor spellings (new, old) and,
+#: for all-gather, the list form that FSDP1 uses on CPU. See [Note: collective calling
+#: convention] and [Note: list all-gather].
+_COLLECTIVE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "all_gather": ("all_gather_single", "all_gather_into_tensor", "all_gather"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
 }
+_OUTPUT_NAMES = ("output_tensor", "output", "tensor_list")
+_INPUT_NAMES = ("input_tensor", "input", "tensor")
 
 _MISSING = object()
 _lock = threading.RLock()
@@ -260,35 +268,26 @@ def _family(targets: Sequence[PatchTarget]) -> _Family:
     return family
 
 
-def _collective_targets(name: str) -> tuple[list[PatchTarget], tuple[str, str]]:
-    names, io = _COLLECTIVE_FAMILIES[name]
-    return [PatchTarget(dist, n) for n in names if hasattr(dist, n)], io
-
-
-def _family_of(target: PatchTarget) -> list[PatchTarget]:
-    # A torch.distributed name that has an old/new twin is patched together with it.
-    if target.owner is dist:
-        for family in _COLLECTIVE_FAMILIES:
-            targets, _ = _collective_targets(family)
-            if any(t.attribute == target.attribute for t in targets):
-                return targets
-    return [target]
+def _collective_targets(name: str) -> list[PatchTarget]:
+    return [PatchTarget(dist, n) for n in _COLLECTIVE_FAMILIES[name] if hasattr(dist, n)]
 
 
 @contextlib.contextmanager
 def patched(
-    target: PatchTarget, replacement: Callable[..., Any], *, barrier: bool = True
+    target: PatchTarget | Sequence[PatchTarget],
+    replacement: Callable[..., Any],
+    *,
+    barrier: bool = True,
 ) -> Iterator[Callable[..., Any]]:
     """Within the block, this rank's calls of ``target`` run ``replacement`` instead.
 
     The building block of every helper in this module, safe with thread ranks (see [Note:
-    patching under thread ranks]) and nestable (see [Note: chained patches]). Patching one
-    spelling of a torch collective (``dist.all_gather_single``) patches its twin
-    (``dist.all_gather_into_tensor``) as well, with arguments passed through unchanged.
+    patching under thread ranks]) and nestable (see [Note: chained patches]).
 
     Args:
         target: where the callable lives, e.g. ``PatchTarget(dist, "all_reduce")`` or
-            ``engine.patch_target("reshard")``.
+            ``engine.patch_target("reshard")``; or several names of one function (all of them
+            are replaced, and share one chain of replacements).
         replacement: called with exactly the arguments of the original (for a method: the
             instance first).
         barrier: synchronize all ranks of the default group on entry and exit (default True);
@@ -298,7 +297,7 @@ def patched(
         a callable that runs the next implementation below ``replacement`` (an outer patch, or
         the original) for the calling rank.
     """
-    family = _family(_family_of(target))
+    family = _family([target] if isinstance(target, PatchTarget) else list(target))
     rank = _rank()
     family.acquire(rank, replacement)
     try:
@@ -314,39 +313,73 @@ def patched(
 
 
 def _normalized(new: Callable[..., Any], family: str) -> Callable[..., Any]:
-    # See [Note: collective calling convention]
-    names, (output_name, input_name) = _COLLECTIVE_FAMILIES[family]
+    # See [Note: collective calling convention] and [Note: list all-gather].
     c10d = dist.distributed_c10d
-    reference = next(getattr(c10d, n) for n in names if hasattr(c10d, n))
-    trailing = list(inspect.signature(reference).parameters)[2:]  # op, group, async_op
+    reference = next(getattr(c10d, n) for n in _COLLECTIVE_FAMILIES[family] if hasattr(c10d, n))
+    trailing = list(inspect.signature(reference).parameters)[2:]  # (op,) group, async_op
 
     def call(*args: Any, **kwargs: Any) -> Any:
         positional = list(args)
-        output = positional.pop(0) if positional else kwargs.pop(output_name)
-        input_ = positional.pop(0) if positional else kwargs.pop(input_name)
+        rest = dict(kwargs)
+        output = positional.pop(0) if positional else _pop_any(rest, _OUTPUT_NAMES)
+        input_ = positional.pop(0) if positional else _pop_any(rest, _INPUT_NAMES)
+        if isinstance(output, list | tuple):
+            flat = _flat_view(output)
+            if flat is None:
+                # Not one buffer in chunks: the next implementation down handles it as is.
+                return getattr(dist, called_name("all_gather"))(*args, **kwargs)
+            output = flat
         if positional:
-            kwargs = {**dict(zip(trailing, positional, strict=False)), **kwargs}
-        return new(output, input_, **kwargs)
+            rest = {**dict(zip(trailing, positional, strict=False)), **rest}
+        return new(output, input_, **rest)
 
     return call
 
 
+def _pop_any(kwargs: dict[str, Any], names: Sequence[str]) -> Any:
+    for name in names:
+        if name in kwargs:
+            return kwargs.pop(name)
+    raise TypeError(f"collective called without any of the arguments {', '.join(names)}")
+
+
+def _flat_view(chunks: Sequence[Any]) -> torch.Tensor | None:
+    """The 1D tensor of which ``chunks`` are consecutive equal slices, if there is one."""
+    if not chunks or not all(isinstance(c, torch.Tensor) for c in chunks):
+        return None
+    first = chunks[0]
+    numel = first.numel()
+    for index, chunk in enumerate(chunks):
+        if (
+            chunk.dim() != 1
+            or not chunk.is_contiguous()
+            or chunk.numel() != numel
+            or chunk.dtype != first.dtype
+            or chunk.device != first.device
+            or chunk.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or chunk.storage_offset() != first.storage_offset() + index * numel
+        ):
+            return None
+    return first.as_strided((numel * len(chunks),), (1,), first.storage_offset())
+
+
 @contextlib.contextmanager
 def _patch_collective(family: str, new: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    targets, _ = _collective_targets(family)
+    targets = _collective_targets(family)
     if not targets:
         raise NotImplementedError(
             f"torch {torch.__version__} has none of torch.distributed."
-            f"{' / '.join(_COLLECTIVE_FAMILIES[family][0])}"
+            f"{' / '.join(_COLLECTIVE_FAMILIES[family])}"
         )
-    with patched(targets[0], _normalized(new, family)) as call_next:
+    with patched(targets, _normalized(new, family)) as call_next:
         yield call_next
 
 
 @contextlib.contextmanager
 def patch_all_gather(new_all_gather: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """Replaces ``dist.all_gather_single`` and ``dist.all_gather_into_tensor`` (whichever this
-    torch has) for the calling rank.
+    torch has), and FSDP-style calls of ``dist.all_gather`` (see [Note: list all-gather]), for
+    the calling rank.
 
     ``new_all_gather`` is called as ``new_all_gather(output_tensor, input_tensor, **kwargs)``
     whichever name the engine used (see [Note: collective calling convention]); to run the real

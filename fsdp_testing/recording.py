@@ -61,7 +61,13 @@ import torch.distributed.fsdp
 import torch.nn as nn
 
 from .engines import FSDPEngine, PatchTarget, current_engine, engine_for, get_engine
-from .patching import _COLLECTIVE_FAMILIES, _normalized, called_name, patched
+from .patching import (
+    _COLLECTIVE_FAMILIES,
+    _collective_targets,
+    _normalized,
+    called_name,
+    patched,
+)
 
 __all__ = [
     "CollectiveRecord",
@@ -363,11 +369,10 @@ class FSDPRecorder:
                 self._init_forward_hooks(self.model, stack)
             nexts: dict[str, Callable[..., Any]] = {}
             for family in _COLLECTIVE_FAMILIES:
-                targets = [PatchTarget(dist, n) for n in _COLLECTIVE_FAMILIES[family][0]]
-                present = [t for t in targets if hasattr(dist, t.attribute)]
+                present = _collective_targets(family)
                 if present:
                     wrapper = _normalized(self._collective(family, nexts), family)
-                    nexts[family] = stack.enter_context(patched(present[0], wrapper, barrier=False))
+                    nexts[family] = stack.enter_context(patched(present, wrapper, barrier=False))
             nexts["all_reduce"] = stack.enter_context(
                 patched(
                     PatchTarget(dist, "all_reduce"),
@@ -985,7 +990,7 @@ def _op_names(op: str | None) -> set[str] | None:
     if op is None:
         return None
     if op in _COLLECTIVE_FAMILIES:
-        return set(_COLLECTIVE_FAMILIES[op][0])
+        return set(_COLLECTIVE_FAMILIES[op])
     return {op}
 
 
