@@ -5,10 +5,15 @@ Layout (one role per module):
 - ``api``: public enums and frozen config dataclasses.
 - ``_param``: one parameter moving between its local dim-0 shard and its unsharded form.
 - ``_unit``: ``FSDPUnit``, the parameters of one fully sharded module, with one all-gather per
-  unshard and one gradient reduction per backward.
+  unshard and one gradient reduction per backward (CPU offload copies included).
+- ``_precision``: resolved mixed precision dtypes, input casting, buffer slots.
+- ``_streams``: the CUDA side streams and the events that order them (absent on the CPU).
 - ``_collectives``: pure functions over ``torch.distributed`` (looked up at call time).
 - ``_exec_order``: the recorded forward order, prefetch targets, cross-rank order validation.
 - ``_runtime``: ``FSDPState``, root lazy init and the forward/backward hooks.
+- ``_full_params``: ``summon_full_params``.
+- ``_state_dict``: full state dict save and load.
+- ``_clip_grad``: gradient norm clipping over all shards.
 - ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
 - ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
 - ``fully_sharded_data_parallel``: the FSDP1-style wrapper door.
@@ -18,6 +23,7 @@ from . import events, wrap
 from .api import (
     BackwardPrefetch,
     CPUOffload,
+    FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
     StateDictType,
@@ -29,6 +35,7 @@ __all__ = [
     "FSDP",
     "BackwardPrefetch",
     "CPUOffload",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingStrategy",

@@ -12,9 +12,15 @@ Each original parameter ``p`` (shape ``(rows, *rest)``) is replaced by two ``nn.
   views that autograd saved in forward see the re-gathered values in backward. Writes go
   through ``.data`` so they do not bump the version counter autograd checks.
 
-With replication (``NO_SHARD``) the chunk is the whole tensor and ``unsharded`` aliases
+With replication (``NO_SHARD``) the chunk is the whole tensor. If the unsharded form also has
+the shard's dtype and device (no mixed precision, no CPU offload), ``unsharded`` aliases
 ``sharded``: nothing is gathered or freed, but gradients still land on ``unsharded`` first so
-that the all-reduce and the accumulation into ``sharded.grad`` stay separate.
+that the all-reduce and the accumulation into ``sharded.grad`` stay separate. Otherwise the
+unsharded storage is a separate, freeable buffer in the compute dtype on the compute device,
+filled from the (cast, copied) shard on unshard like a gather from a group of one.
+
+With CPU offload ``sharded`` (and its gradient) lives on the CPU while ``unsharded`` lives on
+the compute device; see [Note: CPU offload] in ``_unit``.
 
 Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
 (module, attribute) slot that referred to the original, which also covers tied parameters.
@@ -50,6 +56,9 @@ class ShardedParam:
         *,
         shard_world: int,
         shard_rank: int,
+        compute_dtype: torch.dtype,
+        compute_device: torch.device,
+        alias: bool,
     ) -> None:
         orig = spec.param
         self.fqn = spec.fqn
@@ -61,6 +70,7 @@ class ShardedParam:
         self.shard_numel = self.chunk_rows * math.prod(self.rest)
         self.shard_world = shard_world
         start = shard_rank * self.chunk_rows
+        self.start_row = start
         self.valid_rows = max(0, min(self.chunk_rows, self.rows - start))
         self.requires_grad = orig.requires_grad
 
@@ -71,14 +81,18 @@ class ShardedParam:
         self.sharded = nn.Parameter(
             self.padded_shard[: self.valid_rows], requires_grad=orig.requires_grad
         )
-        self._replicated = shard_world == 1
+        if alias and shard_world != 1:
+            raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
+        self._aliased = alias
         self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
-        if self._replicated:
+        if alias:
             self._unsharded_padded = None
             self.unsharded = nn.Parameter(self.sharded.data, requires_grad=orig.requires_grad)
         else:
             self._unsharded_padded = torch.empty(
-                (self.chunk_rows * shard_world, *self.rest), dtype=orig.dtype, device=orig.device
+                (self.chunk_rows * shard_world, *self.rest),
+                dtype=compute_dtype,
+                device=compute_device,
             )
             self.unsharded = nn.Parameter(
                 self._unsharded_padded[: self.rows], requires_grad=orig.requires_grad
@@ -87,19 +101,19 @@ class ShardedParam:
             self.free_unsharded()
 
     def alloc_unsharded(self) -> None:
-        if not self._replicated:
+        if not self._aliased:
             storage = self.unsharded.untyped_storage()
             if storage.nbytes() != self._padded_nbytes:
                 storage.resize_(self._padded_nbytes)
 
     def free_unsharded(self) -> None:
-        if not self._replicated:
+        if not self._aliased:
             self.unsharded.untyped_storage().resize_(0)
 
     def copy_from_gathered(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded storage from this parameter's ``(world, shard)`` gathered block."""
         if self._unsharded_padded is None:
-            raise AssertionError(f"{self.fqn}: a replicated parameter is never gathered")
+            raise AssertionError(f"{self.fqn}: a parameter aliasing its shard is never gathered")
         # ``.data``: see [Note: sharded and unsharded parameters].
         self._unsharded_padded.data.view(self.shard_world, self.shard_numel).copy_(gathered)
 
@@ -110,13 +124,41 @@ class ShardedParam:
             grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
         return grad.reshape(self.shard_world, self.shard_numel)
 
+    def full_from_gathered(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A new full tensor (``full_shape``) from this parameter's ``(world, shard)`` block."""
+        padded = gathered.reshape(self.chunk_rows * self.shard_world, *self.rest)
+        return padded[: self.rows].clone()
+
+    def write_local_rows(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of ``full`` (``full_shape``) into the shard."""
+        with torch.no_grad():
+            self.padded_shard[: self.valid_rows].copy_(
+                full[self.start_row : self.start_row + self.valid_rows]
+            )
+
     def accumulate_sharded_grad(self, shard_flat: torch.Tensor) -> None:
         """Add this rank's reduced gradient (1D, ``shard_numel``, padded) to ``sharded.grad``."""
         grad = shard_flat.view(self.chunk_rows, *self.rest)[: self.valid_rows]
-        if self.sharded.grad is None:
+        current = self.sharded.grad
+        if current is not None:
+            current += grad
+        elif grad.dtype == self.sharded.dtype:
             self.sharded.grad = grad
         else:
-            self.sharded.grad += grad
+            # keep_low_precision_grads: ``.grad`` must match the parameter's dtype when set, so
+            # set a placeholder of the right dtype and swap its data for the low-precision one.
+            self.sharded.grad = torch.empty_like(self.sharded)
+            self.sharded.grad.data = grad
+
+    def sharded_grad_rows(self) -> torch.Tensor | None:
+        """``sharded.grad`` zero padded to ``(chunk_rows, *rest)`` rows, or ``None``."""
+        grad = self.sharded.grad
+        if grad is None:
+            return None
+        pad_rows = self.chunk_rows - self.valid_rows
+        if pad_rows:
+            grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
+        return grad
 
     def use_unsharded(self) -> None:
         for module, name in self.slots:

@@ -12,6 +12,10 @@ backward is driven by autograd hooks the state registers itself:
   of the unit has its gradient, the unit reduces (and prefetches under ``BACKWARD_POST``);
 - a final callback, queued by the root on the first pre-backward, reduces what is left (units
   with unused parameters), reshards every unit, and checks that all of them are idle.
+
+Inside ``no_sync`` (``sync_gradients`` is ``False`` on every state) units reshard after their
+backward as usual but keep their unsharded gradients, which autograd keeps accumulating into;
+the first backward outside reduces the sum.
 """
 
 from __future__ import annotations
@@ -27,10 +31,26 @@ from torch.utils import _pytree as pytree
 
 from . import events
 from ._exec_order import ExecOrder
+from ._precision import BufferSlot, cast_floating_tensors
+from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
-from .api import BackwardPrefetch, ShardingStrategy, TrainingState
+from .api import (
+    BackwardPrefetch,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+    TrainingState,
+)
 
-__all__ = ["WRAPPED_MODULE_NAME", "FSDPState", "RuntimeConfig", "clean_fqn", "state_of"]
+__all__ = [
+    "WRAPPED_MODULE_NAME",
+    "FSDPState",
+    "RuntimeConfig",
+    "clean_fqn",
+    "state_of",
+    "states_in",
+]
 
 # The attribute under which the wrapper door keeps the wrapped module; never part of a name.
 WRAPPED_MODULE_NAME = "_fsdp_wrapped_module"
@@ -54,12 +74,38 @@ class RuntimeConfig:
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
+    mixed_precision: MixedPrecision | None = None
+    offload_params: bool = False
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
     """The FSDP state attached to ``module`` (a wrapper, or a ``fully_shard``-ed module)."""
     state = module.__dict__.get("_fsdp_state")
     return state if isinstance(state, FSDPState) else None
+
+
+def states_in(module: nn.Module, *, root_only: bool = False) -> list[FSDPState]:
+    """The FSDP states in ``module``'s tree (``module`` included), in ``modules()`` order.
+
+    Args:
+        module: the tree to search.
+        root_only: only states not nested below another state of the tree.
+    """
+    found: list[FSDPState] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module, inside: bool) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        state = state_of(m)
+        if state is not None and not (root_only and inside):
+            found.append(state)
+        for child in m.children():
+            visit(child, inside or state is not None)
+
+    visit(module, False)
+    return found
 
 
 class FSDPState:
@@ -70,13 +116,27 @@ class FSDPState:
             ``_fsdp_graph_order`` lists.
         unit: the unit of parameters this instance owns, or ``None``.
         config: the instance's options.
+        buffers: the floating-point buffers this instance owns (default: none). See
+            [Note: mixed precision].
     """
 
-    def __init__(self, owner: nn.Module, unit: FSDPUnit | None, config: RuntimeConfig) -> None:
+    def __init__(
+        self,
+        owner: nn.Module,
+        unit: FSDPUnit | None,
+        config: RuntimeConfig,
+        buffers: list[BufferSlot] | None = None,
+    ) -> None:
         self.owner = owner
         self.unit = unit
         self.config = config
+        self.buffers = buffers or []
         self.training_state = TrainingState.IDLE
+        self.sync_gradients = True  # False inside no_sync()
+        self.state_dict_type = StateDictType.FULL_STATE_DICT
+        self.state_dict_config = FullStateDictConfig()
+        self.in_state_dict = False  # an enclosing instance is building a full state dict
+        self.streams: CudaStreams | None = None  # root only, on CUDA
         self.fqn = ""
         self.is_root: bool | None = None  # decided at the first forward
         self.root: FSDPState | None = None
@@ -127,6 +187,39 @@ class FSDPState:
         order = ExecOrder(states)
         for state in states:
             state.exec_order = order
+        self._validate_offloaded_devices()
+        for state in states:
+            policy = state.config.mixed_precision
+            if policy is not None and policy.buffer_dtype is not None:
+                for slot in state.buffers:
+                    slot.cast(policy.buffer_dtype)
+        devices = {s.unit.device for s in states if s.unit is not None}
+        cuda = [d for d in devices if uses_streams(d)]
+        if cuda:
+            # See [Note: streams and events]; one set per root, shared by its units.
+            self.streams = CudaStreams(cuda[0])
+            for state in states:
+                if state.unit is not None:
+                    state.unit.streams = self.streams
+
+    def _validate_offloaded_devices(self) -> None:
+        """Offloaded shards must stay on the CPU (the module was not moved after wrapping)."""
+        moved: dict[str, list[str]] = {}
+        for state in self.all_states:
+            unit = state.unit
+            if unit is None or not unit.offload_params:
+                continue
+            for p in unit.params:
+                if p.sharded.device.type != "cpu":
+                    moved.setdefault(str(p.sharded.device), []).append(p.fqn)
+        if moved:
+            device_types = sorted({torch.device(d).type for d in moved})
+            raise RuntimeError(
+                "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
+                f"{', '.join(device_types)} ({moved}). With CPUOffload(offload_params=True) the "
+                "sharded parameters must stay on the CPU: do not move the module to an "
+                "accelerator after wrapping; pass device_id=... to compute there instead."
+            )
 
     # ------------------------------------------------------------------ forward
     def pre_forward(
@@ -137,13 +230,31 @@ class FSDPState:
         order = self._order()
         if self.is_root:
             order.start_forward()
+            if self.streams is not None:
+                self.streams.begin_iteration()
         self._assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.FORWARD
         order.record_pre_forward(self)
         self._unshard("forward")
         if self.config.forward_prefetch:
             self._prefetch(order.next_to_forward(self), "forward_prefetch")
+        if self.unit is not None:
+            self.unit.wait_for_unshard()
+        input_dtype = self._forward_input_dtype()
+        if input_dtype is not None:
+            args, kwargs = cast_floating_tensors((args, kwargs), input_dtype)
         return args, kwargs
+
+    def _forward_input_dtype(self) -> torch.dtype | None:
+        """The dtype this instance casts its floating-point forward inputs to, if any."""
+        policy = self.config.mixed_precision
+        if policy is None or policy.param_dtype is None:
+            return None
+        if self.unit is not None and not self.unit.precision.casts_params:
+            return None  # a no-op policy: see [Note: mixed precision]
+        if policy.cast_forward_inputs or (self.is_root and policy.cast_root_forward_inputs):
+            return policy.param_dtype
+        return None
 
     def post_forward(self, output: Any) -> Any:
         order = self._order()
@@ -184,6 +295,8 @@ class FSDPState:
         self._unshard("backward")
         if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
+        if self.unit is not None:
+            self.unit.wait_for_unshard()
 
     def _make_grad_ready_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
@@ -197,8 +310,9 @@ class FSDPState:
             return
         self._assert_state(TrainingState.PRE_BACKWARD, TrainingState.IDLE)
         self.training_state = TrainingState.POST_BACKWARD
-        self._order().validate(self, "reduce")
-        self.unit.post_backward()
+        if self.sync_gradients:
+            self._order().validate(self, "reduce")
+        self.unit.post_backward(reduce=self.sync_gradients)
         if prefetch and self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
 
@@ -215,7 +329,7 @@ class FSDPState:
         for state in reversed(self.all_states):
             state._assert_state(*_BACKWARD_STATES)
             unit = state.unit
-            if unit is not None and unit.has_pending_grads():
+            if unit is not None and state.sync_gradients and unit.has_pending_grads():
                 # Some parameter got no gradient in this backward (unused on this path).
                 state._post_backward(prefetch=False)
             if unit is not None:
@@ -223,6 +337,9 @@ class FSDPState:
                 unit.reset_backward()
             state.training_state = TrainingState.IDLE
             state._ran_pre_backward = False
+        if self.streams is not None:
+            offload = any(s.unit is not None and s.unit.offload_params for s in self.all_states)
+            self.streams.end_backward(offload=offload)
         self._order().finish_iteration()
         self._check_idle()
 
@@ -231,7 +348,8 @@ class FSDPState:
         for state in self.all_states:
             state._assert_state(TrainingState.IDLE)
             unit = state.unit
-            if unit is not None and (unit.is_unsharded or unit.has_pending_grads()):
+            pending = unit is not None and state.sync_gradients and unit.has_pending_grads()
+            if unit is not None and (unit.is_unsharded or pending):
                 raise AssertionError(
                     f"[rank {self._rank}] FSDP unit {state.fqn!r} is not idle after the step "
                     f"(unsharded={unit.is_unsharded}, unreduced gradients="

@@ -9,6 +9,20 @@ instance so such patches see every call.
 Communication per unit: ``unshard`` issues one all-gather of the flat shard buffer (the
 concatenation of every parameter's padded dim-0 shard), ``post_backward`` one reduce-scatter
 (sharded) or all-reduce (replicated) of all of the unit's gradients.
+
+The data path of an unshard is: flat shard -> [copy to the compute device, with CPU offload] ->
+[cast to ``param_dtype``, with mixed precision] -> all-gather (skipped when replicated) -> copy
+out into each unsharded parameter. A reduction goes: unsharded gradients -> reduce buffer in
+``reduce_dtype``, pre-divided -> reduce-scatter or all-reduce -> [cast to the gradient dtype]
+-> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``.
+
+[Note: CPU offload]
+With ``CPUOffload(offload_params=True)`` the flat shard buffer (so every sharded parameter and
+the optimizer state built on it) and the sharded gradients live on the CPU, pinned when CUDA is
+available. The unit computes on ``compute_device`` (the parameters' device at wrap time, or
+``device_id``): each unshard copies the flat shard there first, each reduction copies the
+reduced gradient shard back. The copies are made even when the compute device is the CPU, so a
+CPU-only run exercises (and publishes, as ``events.OffloadCopy``) the same steps.
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ from torch import nn
 
 from . import _collectives, events
 from ._param import ParamSpec, ShardedParam
+from ._precision import UnitPrecision
+from ._streams import CudaStreams
 
 __all__ = ["FSDPUnit"]
 
@@ -35,6 +51,10 @@ class FSDPUnit:
         group: the process group the parameters are sharded over (or replicated across).
         replicate: keep full parameters on every rank and all-reduce gradients (``NO_SHARD``).
             A group of one rank is always replicated.
+        precision: the resolved dtypes (default: none of the parameters' dtype changes).
+        offload_params: keep shards and sharded gradients on the CPU (default ``False``).
+            See [Note: CPU offload].
+        compute_device: where forward/backward run (default: the parameters' device).
     """
 
     def __init__(
@@ -44,6 +64,9 @@ class FSDPUnit:
         group: dist.ProcessGroup,
         *,
         replicate: bool,
+        precision: UnitPrecision | None = None,
+        offload_params: bool = False,
+        compute_device: torch.device | None = None,
     ) -> None:
         if not specs:
             raise AssertionError(f"[rank {dist.get_rank()}] FSDPUnit needs at least one parameter")
@@ -53,30 +76,57 @@ class FSDPUnit:
         self.is_unsharded = False
         self.group_size = dist.get_world_size(group)
         self.replicate = replicate or self.group_size == 1
-        shard_world = 1 if self.replicate else self.group_size
+        self._shard_world = 1 if self.replicate else self.group_size
         shard_rank = 0 if self.replicate else dist.get_rank(group)
 
         first = specs[0].param
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype = first.dtype  # of the sharded parameters
         mixed = [
-            s.fqn for s in specs if (s.param.dtype, s.param.device) != (self.dtype, self.device)
+            s.fqn for s in specs if (s.param.dtype, s.param.device) != (self.dtype, first.device)
         ]
         if mixed:
             raise ValueError(
                 f"FullyShardedDataParallel needs one dtype and device per unit, but {mixed} differ "
-                f"from {specs[0].fqn} ({self.dtype}, {self.device}). Cast the module with "
+                f"from {specs[0].fqn} ({self.dtype}, {first.device}). Cast the module with "
                 ".to(dtype, device) before wrapping, or wrap those submodules separately."
             )
-        numels = [-(-s.param.shape[0] // shard_world) * math.prod(s.param.shape[1:]) for s in specs]
-        self._flat_shard = torch.empty(sum(numels), dtype=self.dtype, device=self.device)  # 1D
+        self.device = compute_device if compute_device is not None else first.device
+        self.precision = precision or UnitPrecision.resolve(None, self.dtype)
+        if self.precision.orig_dtype != self.dtype:
+            raise AssertionError(
+                f"[rank {dist.get_rank()}] unit precision resolved for {self.precision.orig_dtype}"
+                f" but the parameters are {self.dtype}"
+            )
+        self.offload_params = offload_params
+        shard_device = torch.device("cpu") if offload_params else self.device
+        # Pinned host memory only pays off (and only exists) with an accelerator.
+        self._pin = offload_params and torch.cuda.is_available() and self.device.type == "cuda"
+        self.streams: CudaStreams | None = None  # set by the root at lazy init on CUDA
+        alias = self.replicate and not offload_params and not self.precision.casts_params
+
+        numels = [
+            -(-s.param.shape[0] // self._shard_world) * math.prod(s.param.shape[1:]) for s in specs
+        ]
+        self._flat_shard = torch.empty(  # 1D, padded; every sharded parameter is a view into it
+            sum(numels), dtype=self.dtype, device=shard_device, pin_memory=self._pin
+        )
         self.params: list[ShardedParam] = []
         offset = 0
         for spec, numel in zip(specs, numels, strict=True):
             segment = self._flat_shard[offset : offset + numel]
             self.params.append(
-                ShardedParam(spec, segment, shard_world=shard_world, shard_rank=shard_rank)
+                ShardedParam(
+                    spec,
+                    segment,
+                    shard_world=self._shard_world,
+                    shard_rank=shard_rank,
+                    compute_dtype=self.precision.param_dtype,
+                    compute_device=self.device,
+                    alias=alias,
+                )
             )
             offset += numel
+        self._aliased = alias
         # Offsets of the gradient-requiring parameters in the reduce buffer.
         self._grad_params = [p for p in self.params if p.requires_grad]
         self._grad_offsets: list[int] = []
@@ -86,25 +136,31 @@ class FSDPUnit:
             offset += p.shard_numel
         self._grad_numel = offset
         self._grads_ready: set[int] = set()
+        # All-gather output waiting for its copy-out (CUDA: until ``wait_for_unshard``).
+        self._gathered: torch.Tensor | None = None  # 1D, shard_world * flat shard numel
+        self._gathered_event: torch.cuda.Event | None = None
         for p in self.params:
             p.use_sharded()
 
     # ------------------------------------------------------------------ transitions
     def unshard(self, reason: events.UnshardReason = "explicit") -> None:
-        """Make the module see full parameters; one all-gather unless replicated."""
+        """Make the module see full parameters; one all-gather unless replicated.
+
+        On CUDA the gather is only issued here; :meth:`wait_for_unshard` finishes it before
+        compute uses the parameters. See [Note: streams and events].
+        """
         if self.is_unsharded:
             return
-        if not self.replicate:
-            gathered = torch.empty(
-                self.group_size * self._flat_shard.numel(), dtype=self.dtype, device=self.device
-            )
-            _collectives.all_gather_flat(gathered, self._flat_shard, self.group, unit=self.name)
-            blocks = gathered.view(self.group_size, -1)
-            offset = 0
-            for p in self.params:
-                p.alloc_unsharded()
-                p.copy_from_gathered(blocks[:, offset : offset + p.shard_numel])
-                offset += p.shard_numel
+        if not self._aliased:
+            streams = self.streams
+            if streams is None:
+                self._gathered = self._gather(self.precision.param_dtype)
+                self._copy_out()
+            else:
+                streams.before_all_gather()
+                with torch.cuda.stream(streams.all_gather):
+                    self._gathered = self._gather(self.precision.param_dtype)
+                    self._gathered_event = streams.all_gather.record_event()
         for p in self.params:
             p.use_unsharded()
         self.is_unsharded = True
@@ -118,10 +174,22 @@ class FSDPUnit:
                 )
             )
 
+    def wait_for_unshard(self) -> None:
+        """Finish a pending unshard on the current stream (a no-op on the CPU)."""
+        streams = self.streams
+        if self._gathered is None or streams is None:
+            return
+        if self._gathered_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._gathered_event)
+        self._copy_out()
+        streams.record_copy_out()
+
     def reshard(self, reason: events.ReshardReason = "explicit") -> None:
         """Free the unsharded parameters; the module sees the local shards again."""
         if not self.is_unsharded:
             return
+        # A prefetch that was never waited on: its output was only used on the gather stream.
+        self._gathered = self._gathered_event = None
         for p in self.params:
             p.use_sharded()
             p.free_unsharded()
@@ -136,51 +204,212 @@ class FSDPUnit:
                 )
             )
 
-    def post_backward(self) -> None:
+    def post_backward(self, *, reduce: bool = True) -> None:
         """Reshard, then reduce this backward's gradients into the sharded ``.grad``s.
 
         Gradients are averaged over the group (see [Note: gradient averaging]) and added to any
-        gradient already on the sharded parameter, so several backwards accumulate.
+        gradient already on the sharded parameter, so several backwards accumulate. With
+        ``reduce=False`` (inside ``no_sync``) the unsharded gradients are kept and keep
+        accumulating until a backward that reduces.
         """
         self.reshard("backward")
+        if not reduce:
+            return
         grads = [p.unsharded.grad for p in self._grad_params]
         if all(g is None for g in grads):
             return
-        if self.replicate:
-            self._all_reduce_grads(grads)
-        else:
-            self._reduce_scatter_grads(grads)
+        reduce_input = self._reduce_input(grads)
         for p in self._grad_params:
             p.unsharded.grad = None
+        streams = self.streams
+        if streams is None:
+            self._store_grads(self._reduce(reduce_input))
+            return
+        side = streams.reduce_scatter
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._store_grads(self._reduce(reduce_input))
+            done = side.record_event()
+        streams.hold_reduce_input(reduce_input, done)
 
-    def _reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> None:
-        world = self.group_size
-        full = torch.zeros((world, self._grad_numel), dtype=self.dtype, device=self.device)
+    # ------------------------------------------------------------------ data path
+    def _gather(self, dtype: torch.dtype) -> torch.Tensor:
+        """The flat shard on the compute device in ``dtype``, gathered over the group.
+
+        Returns a 1D tensor of ``shard_world`` blocks; for a replicated unit, the one block.
+        """
+        shard = self._flat_shard
+        if self.offload_params:
+            shard = self._copy_to_device(shard)
+        if shard.dtype != dtype:
+            shard = shard.to(dtype)
+        if self.replicate:
+            return shard
+        gathered = torch.empty(self.group_size * shard.numel(), dtype=dtype, device=self.device)
+        _collectives.all_gather_flat(gathered, shard, self.group, unit=self.name)
+        return gathered
+
+    def _copy_out(self) -> None:
+        gathered = self._gathered
+        if gathered is None:
+            raise AssertionError(f"[rank {dist.get_rank()}] {self.name}: nothing gathered")
+        blocks = gathered.view(self._shard_world, -1)
+        offset = 0
+        for p in self.params:
+            p.alloc_unsharded()
+            p.copy_from_gathered(blocks[:, offset : offset + p.shard_numel])
+            offset += p.shard_numel
+        self._gathered = self._gathered_event = None
+
+    def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """``(shard_world, grad numel)`` in ``reduce_dtype``, zero padded and pre-divided."""
+        full = torch.zeros(
+            (self._shard_world, self._grad_numel),
+            dtype=self.precision.reduce_dtype,
+            device=self.device,
+        )
         for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
             if grad is not None:
                 full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
-        full.div_(world)  # See [Note: gradient averaging].
-        reduced = torch.empty(self._grad_numel, dtype=self.dtype, device=self.device)
-        _collectives.reduce_scatter_flat(reduced, full.view(-1), self.group, unit=self.name)
-        for p, offset in zip(self._grad_params, self._grad_offsets, strict=True):
-            p.accumulate_sharded_grad(reduced[offset : offset + p.shard_numel])
+        if self.group_size > 1:
+            full.div_(self.group_size)  # See [Note: gradient averaging].
+        return full
 
-    def _all_reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
-        flat = torch.zeros(self._grad_numel, dtype=self.dtype, device=self.device)
-        for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
+    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor:
+        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input."""
+        if self.group_size == 1:
+            return reduce_input.view(-1)
+        if self.replicate:
+            flat = reduce_input.view(-1)
+            _collectives.all_reduce_flat(flat, self.group, unit=self.name)
+            return flat
+        reduced = torch.empty(self._grad_numel, dtype=reduce_input.dtype, device=self.device)
+        _collectives.reduce_scatter_flat(reduced, reduce_input.view(-1), self.group, unit=self.name)
+        return reduced
+
+    def _store_grads(self, reduced: torch.Tensor) -> None:
+        grad = reduced.to(self.precision.grad_dtype)
+        if self.offload_params:
+            grad = self._copy_to_host(grad)
+        for p, offset in zip(self._grad_params, self._grad_offsets, strict=True):
+            p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
+
+    # ------------------------------------------------------------------ offload copies
+    def _copy_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of ``host`` on the compute device (made even if that is the CPU)."""
+        # Allocated on the calling stream (the all-gather stream on CUDA), which reuses it.
+        device_copy = torch.empty_like(host, device=self.device)
+        streams = self.streams
+        if streams is None:
+            device_copy.copy_(host)
+        else:
+            current = torch.cuda.current_stream(self.device)
+            streams.offload.wait_stream(current)  # the block may be in use on ``current``
+            with torch.cuda.stream(streams.offload):
+                device_copy.copy_(host, non_blocking=True)
+            current.wait_stream(streams.offload)
+        self._publish_offload("to_device", device_copy)
+        return device_copy
+
+    def _copy_to_host(self, grad: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of the reduced gradient shard ``grad``, complete when this returns."""
+        host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=self._pin)
+        streams = self.streams
+        if streams is None:
+            host.copy_(grad)
+        else:
+            streams.offload.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(streams.offload):
+                host.copy_(grad, non_blocking=True)
+                landed = streams.offload.record_event()
+            # The CPU accumulates into ``sharded.grad`` next and ``grad`` may be freed: wait.
+            landed.synchronize()
+        self._publish_offload("to_host", host)
+        return host
+
+    def _publish_offload(self, direction: events.OffloadDirection, copy: torch.Tensor) -> None:
+        if events.has_subscribers():
+            events.publish(
+                events.OffloadCopy(
+                    unit=self.name,
+                    direction=direction,
+                    bytes=copy.numel() * copy.element_size(),
+                    rank=dist.get_rank(),
+                )
+            )
+
+    # ------------------------------------------------------------------ full parameters
+    def gather_full_params(self) -> list[torch.Tensor]:
+        """New full tensors of every parameter in the original dtype, on the compute device.
+
+        Used by ``summon_full_params``: one all-gather unless replicated, synchronous on the
+        current stream, independent of the unsharded parameters used for compute.
+        """
+        blocks = self._gather(self.dtype).view(self._shard_world, -1)
+        full = []
+        offset = 0
+        for p in self.params:
+            full.append(p.full_from_gathered(blocks[:, offset : offset + p.shard_numel]))
+            offset += p.shard_numel
+        return full
+
+    def gather_full_grads(self) -> list[torch.Tensor | None]:
+        """Full gradients of every parameter (``None`` where no rank has one).
+
+        One all-reduce of a has-gradient mask and one all-gather of the padded gradient shards
+        in the original dtype.
+        """
+        rows = [p.sharded_grad_rows() for p in self.params]
+        flat = torch.zeros(self._flat_shard.numel(), dtype=self.dtype, device=self.device)
+        has_grad = torch.tensor([g is not None for g in rows], dtype=torch.int32)
+        offset = 0
+        for p, grad in zip(self.params, rows, strict=True):
             if grad is not None:
                 flat[offset : offset + p.shard_numel].copy_(grad.reshape(-1))
-        if self.group_size > 1:
-            flat.div_(self.group_size)  # See [Note: gradient averaging].
-            _collectives.all_reduce_flat(flat, self.group, unit=self.name)
-        for p, offset in zip(self._grad_params, self._grad_offsets, strict=True):
-            p.accumulate_sharded_grad(flat[offset : offset + p.shard_numel])
+            offset += p.shard_numel
+        if self.replicate:
+            gathered = flat
+        else:
+            has_grad = has_grad.to(self.device)
+            dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.group)
+            gathered = torch.empty(
+                self.group_size * flat.numel(), dtype=self.dtype, device=self.device
+            )
+            _collectives.all_gather_flat(gathered, flat, self.group, unit=self.name)
+        blocks = gathered.view(self._shard_world, -1)
+        full: list[torch.Tensor | None] = []
+        offset = 0
+        for p, present in zip(self.params, has_grad.tolist(), strict=True):
+            block = blocks[:, offset : offset + p.shard_numel]
+            full.append(p.full_from_gathered(block) if present else None)
+            offset += p.shard_numel
+        return full
+
+    def expose(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Make the module see ``tensors`` (one per parameter) in place of the shards."""
+        for p, tensor in zip(self.params, tensors, strict=True):
+            for module, name in p.slots:
+                module._parameters[name] = tensor  # type: ignore[assignment]
+
+    def use_sharded_params(self) -> None:
+        for p in self.params:
+            p.use_sharded()
+
+    def write_back(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy this rank's rows of every full tensor in ``tensors`` into the shards."""
+        for p, tensor in zip(self.params, tensors, strict=True):
+            p.write_local_rows(tensor.detach())
 
     # ------------------------------------------------------------------ backward bookkeeping
     @property
     def grad_params(self) -> list[ShardedParam]:
         """Parameters that require gradients, in registration order."""
         return self._grad_params
+
+    @property
+    def shard_device(self) -> torch.device:
+        """Where the sharded parameters live (the CPU with offload)."""
+        return self._flat_shard.device
 
     def mark_grad_ready(self, index: int) -> bool:
         """Note that ``grad_params[index]`` got its gradient; True once all of them have."""

@@ -10,6 +10,7 @@ import torch
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "FullStateDictConfig",
     "MixedPrecision",
     "ShardingStrategy",
     "StateDictType",
@@ -42,14 +43,14 @@ class BackwardPrefetch(enum.Enum):
 
 
 class StateDictType(enum.Enum):
-    """Which state dict layout ``state_dict()`` produces (implemented with the state dict work)."""
+    """Which state dict layout ``state_dict()`` produces and ``load_state_dict()`` expects."""
 
     FULL_STATE_DICT = enum.auto()
-    """Unsharded tensors, as a plain ``nn.Module`` would produce."""
+    """Unsharded tensors under the unwrapped names, as a plain ``nn.Module`` would produce."""
     LOCAL_STATE_DICT = enum.auto()
-    """Each rank's flat local shards."""
+    """Each rank's flat local shards (arrives with the sharded state dict work, later)."""
     SHARDED_STATE_DICT = enum.auto()
-    """Each rank's shards, with the metadata needed to reload at another world size."""
+    """Each rank's shards with resharding metadata (arrives with the sharded state dict work)."""
 
 
 class TrainingState(enum.Enum):
@@ -63,6 +64,8 @@ class TrainingState(enum.Enum):
     """Backward has reached the unit's outputs; its gradients are being computed."""
     POST_BACKWARD = enum.auto()
     """The unit's gradients are computed and being (or have been) reduced."""
+    SUMMON_FULL_PARAMS = enum.auto()
+    """Inside ``summon_full_params`` (or a full state dict save/load that uses it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,19 +89,33 @@ class CPUOffload:
 class MixedPrecision:
     """Dtypes for compute, gradient reduction and buffers.
 
+    The rule (SPEC section 3): if ``param_dtype`` is set and ``reduce_dtype`` is not, gradients
+    are reduced in ``param_dtype``. A dtype equal to the parameters' own dtype is a no-op, so
+    ``MixedPrecision(param_dtype=torch.float32)`` on an fp32 model changes nothing.
+
     Args:
         param_dtype: dtype of the unsharded parameters used in forward/backward (default
-            ``None``: keep the original dtype).
+            ``None``: keep the original dtype). The sharded parameters, the optimizer state and
+            (by default) the gradients stay in the original dtype.
         reduce_dtype: dtype of the gradient reduction (default ``None``: ``param_dtype`` if set,
             else the original dtype).
-        buffer_dtype: dtype buffers are cast to for compute (default ``None``: unchanged).
-        keep_low_precision_grads: leave gradients in the reduce dtype (default ``False``).
+        buffer_dtype: dtype floating-point buffers are cast to for compute (default ``None``:
+            unchanged). Full state dicts hold buffers in their original dtype.
+        keep_low_precision_grads: leave the reduced gradients in the reduce dtype instead of
+            casting them to the parameters' dtype (default ``False``).
+        cast_forward_inputs: every FSDP instance casts the floating-point tensors among its
+            forward arguments to ``param_dtype`` (default ``False``).
+        cast_root_forward_inputs: the root instance casts its forward inputs to
+            ``param_dtype`` (default ``True``, as in torch), so a model fed fp32 batches
+            computes in ``param_dtype`` from its first layer on.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -106,4 +123,41 @@ class MixedPrecision:
             if value is not None and not isinstance(value, torch.dtype):
                 raise TypeError(
                     f"MixedPrecision({field_name}=...) takes a torch.dtype or None, got {value!r}."
+                )
+            if value is not None and not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecision({field_name}={value}) must be a floating-point dtype, e.g. "
+                    "torch.bfloat16 or torch.float16."
+                )
+        for field_name in (
+            "keep_low_precision_grads",
+            "cast_forward_inputs",
+            "cast_root_forward_inputs",
+        ):
+            value = getattr(self, field_name)
+            if not isinstance(value, bool):
+                raise TypeError(f"MixedPrecision({field_name}=...) takes a bool, got {value!r}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullStateDictConfig:
+    """Options of ``StateDictType.FULL_STATE_DICT``.
+
+    Args:
+        offload_to_cpu: return the full tensors on the CPU (default ``False``).
+        rank0_only: only global rank 0 receives the full state dict; every other rank gets an
+            empty dict (default ``False``). All ranks must still call ``state_dict()``: the
+            parameters are gathered collectively. Loading always needs the full state dict on
+            every rank.
+    """
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+    def __post_init__(self) -> None:
+        for field_name in ("offload_to_cpu", "rank0_only"):
+            value = getattr(self, field_name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"FullStateDictConfig({field_name}=...) takes a bool, got {value!r}."
                 )

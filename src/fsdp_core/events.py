@@ -1,7 +1,7 @@
 """A tiny publish/subscribe hook that makes the engine's data movement observable.
 
-The engine publishes one event per unshard, reshard and collective. A test recorder (or a
-profiler) subscribes a callback::
+The engine publishes one event per unshard, reshard, collective and offload copy. A test
+recorder (or a profiler) subscribes a callback::
 
     from fsdp_core import events
 
@@ -26,6 +26,8 @@ from typing import Literal, TypeAlias
 __all__ = [
     "Collective",
     "Event",
+    "OffloadCopy",
+    "OffloadDirection",
     "Reshard",
     "ReshardReason",
     "Subscription",
@@ -40,6 +42,7 @@ UnshardReason: TypeAlias = Literal[
     "forward", "forward_prefetch", "backward", "backward_prefetch", "explicit"
 ]
 ReshardReason: TypeAlias = Literal["forward", "backward", "explicit"]
+OffloadDirection: TypeAlias = Literal["to_device", "to_host"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +104,31 @@ class Collective:
     rank: int
 
 
-Event: TypeAlias = Unshard | Reshard | Collective
+@dataclass(frozen=True, kw_only=True)
+class OffloadCopy:
+    """One copy of offloaded data made for ``CPUOffload(offload_params=True)``.
+
+    ``"to_device"``: a unit's flat CPU shard copied to the compute device before it is gathered
+    (for an unshard, or for ``summon_full_params``, which also copies the gradient shard with
+    ``with_grads``). ``"to_host"``: a unit's reduced gradient shard copied back to the CPU. The
+    copy is made even when the compute device is the CPU, so the logic runs and is observable
+    on CPU-only machines. ``summon_full_params(offload_to_cpu=True)`` copies are not offload
+    copies in this sense and publish nothing.
+
+    Args:
+        unit: FQN of the unit (``""`` for the root).
+        direction: ``"to_device"`` or ``"to_host"``.
+        bytes: size of the copied tensor.
+        rank: global rank that issued the event.
+    """
+
+    unit: str
+    direction: OffloadDirection
+    bytes: int
+    rank: int
+
+
+Event: TypeAlias = Unshard | Reshard | Collective | OffloadCopy
 
 _subscribers: list[Callable[[Event], None]] = []
 _lock = threading.Lock()

@@ -2,22 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
+from . import _state_dict
 from . import wrap as _wrap
+from ._clip_grad import clip_grad_norm
+from ._full_params import summon_full_params as _summon_full_params
 from ._param import ParamSpec
-from ._runtime import WRAPPED_MODULE_NAME, FSDPState, RuntimeConfig, clean_fqn, state_of
+from ._precision import BufferSlot, UnitPrecision
+from ._runtime import (
+    WRAPPED_MODULE_NAME,
+    FSDPState,
+    RuntimeConfig,
+    clean_fqn,
+    state_of,
+    states_in,
+)
 from ._unit import FSDPUnit
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+    TrainingState,
+)
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
-
-_LATER_ISSUE = "arrives with the CPU offload / mixed precision work (the next fsdp_core issue)"
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -32,16 +52,20 @@ class FullyShardedDataParallel(nn.Module):
         module: the module to wrap.
         process_group: the group to shard over (default ``None``: the default group).
         sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP`` or ``NO_SHARD``.
-        cpu_offload: ``CPUOffload(offload_params=True)`` is not supported yet (default ``None``).
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps the sharded parameters and their
+            gradients on the CPU and copies them to the compute device only to gather (default
+            ``None``: no offload). The module must not be moved off the CPU afterwards.
         auto_wrap_policy: a policy from :mod:`fsdp_core.wrap` choosing submodules to wrap as
             their own units (default ``None``: only ``module``).
         backward_prefetch: ``BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``; which
             unit is gathered ahead in backward follows the reverse of the first iteration's
             graph order.
-        mixed_precision: not supported yet; must be ``None`` (default).
+        mixed_precision: a ``MixedPrecision`` policy for parameters, gradient reduction and
+            buffers (default ``None``: full precision). See [Note: mixed precision].
         ignored_modules: modules whose parameters stay unsharded and unreduced (default
             ``None``).
-        device_id: device to move the module to before sharding (default ``None``: leave it).
+        device_id: device to move the module to before sharding, which is also the compute
+            device (default ``None``: the parameters' device).
         sync_module_states: broadcast parameters and buffers from rank 0 of the group before
             sharding (default ``False``).
         forward_prefetch: gather the next unit in forward order when a unit's forward starts
@@ -122,11 +146,17 @@ class FullyShardedDataParallel(nn.Module):
         specs = _collect_params(module, ignored)
         if sync_module_states:
             _sync_module_states(module, specs, ignored, group)
-        unit = (
-            FSDPUnit(module, specs, group, replicate=strategy is ShardingStrategy.NO_SHARD)
-            if specs
-            else None
-        )
+        unit = None
+        if specs:
+            orig_dtype = specs[0].param.dtype
+            unit = FSDPUnit(
+                module,
+                specs,
+                group,
+                replicate=strategy is ShardingStrategy.NO_SHARD,
+                precision=UnitPrecision.resolve(mixed_precision, orig_dtype),
+                offload_params=self.cpu_offload.offload_params,
+            )
         # Ids of the original parameters this instance and its nested instances took over.
         self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | {
             i for child in _nested_wrappers(module) for i in child._consumed_param_ids
@@ -137,8 +167,11 @@ class FullyShardedDataParallel(nn.Module):
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
+            mixed_precision=mixed_precision,
+            offload_params=self.cpu_offload.offload_params,
         )
-        self.__dict__["_fsdp_state"] = FSDPState(self, unit, config)
+        buffers = _collect_buffers(module, ignored)
+        self.__dict__["_fsdp_state"] = FSDPState(self, unit, config, buffers)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -203,6 +236,179 @@ class FullyShardedDataParallel(nn.Module):
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
             yield clean_fqn(name), buffer
 
+    # ------------------------------------------------------------------ full parameters
+    @staticmethod
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context manager in which ``module``'s FSDP instances expose full parameters.
+
+        Every rank must enter it (the parameters are all-gathered), between training steps.
+        The full parameters are in the parameters' original dtype even under mixed precision.
+        Also callable on an instance: ``with model.summon_full_params(model): ...``.
+
+        Args:
+            module: an FSDP instance or a module containing some.
+            recurse: also the nested instances (default ``True``); ``False``: only the
+                outermost instances of ``module``'s tree.
+            writeback: on exit, copy each rank's rows of the (possibly modified) full
+                parameters into its shards (default ``True``); ``False`` discards changes.
+            rank0_only: only global rank 0 sees full parameters, other ranks keep their
+                shards (default ``False``); requires ``writeback=False``.
+            offload_to_cpu: the full parameters (and gradients) are CPU copies (default
+                ``False``).
+            with_grads: ``.grad`` of each full parameter is the full reduced gradient, or
+                ``None`` if no rank has one (default ``False``); changes to it are discarded.
+        """
+        return _summon_full_params(
+            module,
+            recurse=recurse,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        )
+
+    # ------------------------------------------------------------------ state dicts
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: FullStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """Context manager setting the state dict layout of every FSDP instance in ``module``.
+
+        Args:
+            module: an FSDP instance or a module containing some.
+            state_dict_type: ``StateDictType.FULL_STATE_DICT`` (the default outside this
+                context); the local and sharded layouts come in a later issue and raise
+                ``NotImplementedError``.
+            state_dict_config: a ``FullStateDictConfig`` (default ``None``: its defaults).
+        """
+        _state_dict.validate_state_dict_type(state_dict_type)
+        config = state_dict_config if state_dict_config is not None else FullStateDictConfig()
+        if not isinstance(config, FullStateDictConfig):
+            raise TypeError(
+                f"state_dict_type(FULL_STATE_DICT, state_dict_config=...) takes a "
+                f"FullStateDictConfig, got {config!r}."
+            )
+        states = states_in(module)
+        previous = [(s.state_dict_type, s.state_dict_config) for s in states]
+        for state in states:
+            state.state_dict_type, state.state_dict_config = state_dict_type, config
+        try:
+            yield
+        finally:
+            for state, (kind, old_config) in zip(states, previous, strict=True):
+                state.state_dict_type, state.state_dict_config = kind, old_config
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
+        """The full state dict: unsharded tensors under the unwrapped module's names.
+
+        Every rank must call it. See ``state_dict_type`` and ``FullStateDictConfig`` for
+        ``rank0_only`` and ``offload_to_cpu``. Buffers are in their original dtype under mixed
+        precision. Values are always detached (``keep_vars`` is accepted for compatibility).
+        """
+        if self._fsdp_state.in_state_dict:  # an enclosing instance is building it
+            return nn.Module.state_dict(
+                self,
+                destination=destination,  # type: ignore[arg-type]
+                prefix=prefix,
+                keep_vars=keep_vars,
+            )
+        result = _state_dict.full_state_dict(self, prefix)
+        if destination is None:
+            return result
+        destination.update(result)
+        return destination
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a full state dict (every rank passes the whole dict).
+
+        Args:
+            state_dict: keys of the unwrapped module, full tensors (as ``state_dict()`` gives).
+            strict: missing or unexpected keys raise (default ``True``).
+            assign: not supported: the values are always copied into the shards.
+        """
+        if assign:
+            raise ValueError(
+                "FullyShardedDataParallel.load_state_dict(assign=True) is not supported: the "
+                "full tensors are copied into the local shards. Pass assign=False."
+            )
+        return _state_dict.load_full_state_dict(self, state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager in which backwards accumulate unsharded gradients, unreduced.
+
+        The first backward after the context reduces everything accumulated, so the result
+        equals DDP's ``no_sync``. Call it on the root instance; accumulating unsharded
+        gradients costs the memory of the full gradients of every unit.
+        """
+        if self._fsdp_state.is_root is False:
+            raise RuntimeError(
+                "no_sync() on an inner FSDP instance is not supported: call it on the root "
+                "(outermost) FSDP instance."
+            )
+        states = states_in(self)
+        busy = [s.fqn for s in states if s.training_state is not TrainingState.IDLE]
+        if busy:
+            raise RuntimeError(f"no_sync() must be entered between training steps; busy: {busy}")
+        previous = [s.sync_gradients for s in states]
+        for state in states:
+            state.sync_gradients = False
+        try:
+            yield
+        finally:
+            for state, sync in zip(states, previous, strict=True):
+                state.sync_gradients = sync
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter to a total norm of at most ``max_norm``.
+
+        The norm is over the whole (unsharded) model: local shard norms are combined with one
+        all-reduce, so every rank must call it. Equals ``torch.nn.utils.clip_grad_norm_`` on
+        the unsharded model up to rounding (see [Note: sharded gradient norm]).
+
+        Args:
+            max_norm: the largest allowed total norm.
+            norm_type: the p of the p-norm (default ``2.0``); ``math.inf`` for the max norm.
+
+        Returns:
+            The total norm before clipping (fp32 scalar tensor).
+        """
+        state = self._fsdp_state
+        if state.is_root is False:
+            raise RuntimeError(
+                "clip_grad_norm_() on an inner FSDP instance is not supported: call it on the "
+                "root (outermost) FSDP instance."
+            )
+        norm = float(norm_type)
+        if not (norm == math.inf or norm > 0):
+            raise ValueError(
+                f"clip_grad_norm_: norm_type must be > 0 or math.inf, got {norm_type}."
+            )
+        states = states_in(self)
+        busy = [s.fqn for s in states if s.training_state is not TrainingState.IDLE]
+        if busy:
+            raise RuntimeError(f"clip_grad_norm_() must run between training steps; busy: {busy}")
+        return clip_grad_norm(self.parameters(), states, self.process_group, max_norm, norm)
+
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """The FSDP instances in ``module``'s tree, in ``modules()`` order.
@@ -258,15 +464,10 @@ def _validate_args(
         )
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"cpu_offload takes a CPUOffload or None, got {cpu_offload!r}.")
-    if cpu_offload is not None and cpu_offload.offload_params:
-        raise NotImplementedError(
-            f"cpu_offload={cpu_offload} is not supported yet: parameter offload {_LATER_ISSUE}. "
-            "Pass cpu_offload=None for now."
-        )
-    if mixed_precision is not None:
-        raise NotImplementedError(
-            f"mixed_precision={mixed_precision} is not supported yet: mixed precision "
-            f"{_LATER_ISSUE}. Pass mixed_precision=None for now."
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision takes a MixedPrecision or None, got {mixed_precision!r}; e.g. "
+            "MixedPrecision(param_dtype=torch.bfloat16)."
         )
 
 
@@ -323,6 +524,26 @@ def _collect_params(module: nn.Module, ignored: set[nn.Module]) -> list[ParamSpe
             "they cannot be sharded in dim 0. Change each to a 1D tensor with numel equal to 1."
         )
     return [ParamSpec(clean_fqn(fqn), param, tuple(slots[i])) for i, (fqn, param) in params.items()]
+
+
+def _collect_buffers(module: nn.Module, ignored: set[nn.Module]) -> list[BufferSlot]:
+    """The floating-point buffers ``module`` owns: not under a nested instance or ignored."""
+    slots: list[BufferSlot] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if m in ignored or (m is not module and state_of(m) is not None) or id(m) in seen:
+            return
+        seen.add(id(m))
+        for name, buffer in m._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                slots.append(BufferSlot(m, name, buffer.dtype))
+        for child in m._modules.values():
+            if child is not None:
+                visit(child)
+
+    visit(module)
+    return slots
 
 
 def _sync_module_states(

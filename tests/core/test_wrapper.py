@@ -199,10 +199,14 @@ def test_errors_name_the_option_and_the_fix(rank, process_group):
     for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         with pytest.raises(NotImplementedError, match="hybrid sharding comes in a later"):
             FSDP(lin, process_group, sharding_strategy=strategy)
-    with pytest.raises(NotImplementedError, match=r"cpu_offload=.*offload_params=True.*next"):
-        FSDP(lin, process_group, cpu_offload=CPUOffload(offload_params=True))
-    with pytest.raises(NotImplementedError, match=r"mixed_precision=.*mixed precision.*next"):
-        FSDP(lin, process_group, mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"mixed_precision takes a MixedPrecision"):
+        FSDP(lin, process_group, mixed_precision=torch.float16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"cpu_offload takes a CPUOffload"):
+        FSDP(lin, process_group, cpu_offload=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"MixedPrecision\(param_dtype=torch.int32\) must be a"):
+        MixedPrecision(param_dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"MixedPrecision\(cast_forward_inputs=...\) takes a bool"):
+        MixedPrecision(cast_forward_inputs=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sharding_strategy takes a ShardingStrategy"):
         FSDP(lin, process_group, sharding_strategy="FULL_SHARD")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="backward_prefetch takes a BackwardPrefetch"):

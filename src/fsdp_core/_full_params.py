@@ -1,0 +1,96 @@
+"""``summon_full_params``: full parameters (and gradients) exposed outside forward/backward.
+
+[Note: summoned parameters]
+Summoning never touches the unsharded parameters that forward/backward use. Each unit gathers
+*new* full tensors in the parameters' original dtype (full precision even under mixed
+precision, so state dicts and user edits see the real values), wraps them in temporary
+``nn.Parameter``s and puts those into the module slots. On exit the slots get the sharded
+parameters back; with ``writeback`` each rank first copies its rows of every temporary
+(including changes made through ``.data``) into its shard, otherwise the temporaries are
+dropped with whatever was written to them. Replicated units work the same way on a copy, so
+``writeback=False`` discards writes there too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._runtime import FSDPState, states_in
+from ._unit import FSDPUnit
+from .api import TrainingState
+
+__all__ = ["summon_full_params"]
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    *,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """See ``FullyShardedDataParallel.summon_full_params`` and [Note: summoned parameters]."""
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params(rank0_only=True, writeback=True) is not supported: only rank 0 "
+            "would hold the full parameters, so the other ranks' shards could not be written "
+            "back consistently. Pass writeback=False with rank0_only=True."
+        )
+    states = states_in(module, root_only=not recurse)
+    _validate_idle(states)
+    units = [s.unit for s in states if s.unit is not None]
+    materialize = not rank0_only or dist.get_rank() == 0
+    summoned: list[tuple[FSDPUnit, list[nn.Parameter]]] = []
+    for state in states:
+        state.training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        with torch.no_grad():
+            for unit in units:  # same order on every rank: the collectives pair up
+                full = unit.gather_full_params()
+                grads = unit.gather_full_grads() if with_grads else [None] * len(full)
+                if not materialize:
+                    continue
+                temps = []
+                for p, tensor, grad in zip(unit.params, full, grads, strict=True):
+                    temp = nn.Parameter(
+                        tensor.cpu() if offload_to_cpu else tensor, requires_grad=p.requires_grad
+                    )
+                    if grad is not None:
+                        temp.grad = grad.cpu() if offload_to_cpu else grad
+                    temps.append(temp)
+                unit.expose(temps)
+                summoned.append((unit, temps))
+        yield
+    finally:
+        for unit, temps in summoned:
+            unit.use_sharded_params()
+            if writeback:
+                unit.write_back(temps)
+        for state in states:
+            state.training_state = TrainingState.IDLE
+
+
+def _validate_idle(states: list[FSDPState]) -> None:
+    busy = [s for s in states if s.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(
+            "summon_full_params can only run between training steps, but FSDP instances "
+            f"{[s.fqn or type(s.owner).__name__ for s in busy]} are in "
+            f"{sorted({s.training_state.name for s in busy})}. Call it outside forward and "
+            "backward, and do not nest it over the same instances."
+        )
+    unsharded = [s.fqn for s in states if s.unit is not None and s.unit.is_unsharded]
+    if unsharded:
+        raise RuntimeError(
+            f"summon_full_params: units {unsharded} still hold unsharded parameters from a "
+            "forward whose backward has not run. Run the backward first, or run that forward "
+            "under torch.no_grad()."
+        )

@@ -1,0 +1,147 @@
+"""Full state dicts: save and load unsharded tensors under the unwrapped names.
+
+[Note: full state dict]
+Saving summons the full parameters of every unit in the tree (``writeback=False``, honouring
+``FullStateDictConfig``'s ``rank0_only`` and ``offload_to_cpu``) and runs plain
+``nn.Module.state_dict`` over the wrapper tree; nested wrappers see ``in_state_dict`` and do the
+same instead of summoning again. The keys lose every ``_fsdp_wrapped_module`` component and each
+buffer owned by an instance with ``buffer_dtype`` goes back to the dtype it had at wrap time
+(see [Note: mixed precision]).
+
+Loading summons with ``writeback=True``, renames the incoming keys to the wrapper tree's names,
+runs ``nn.Module.load_state_dict`` (which copies into the summoned full parameters and into the
+compute-dtype buffers, casting) and lets the summon write each rank's rows back to its shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ._full_params import summon_full_params
+from ._runtime import clean_fqn, state_of, states_in
+from .api import StateDictType
+
+__all__ = ["full_state_dict", "load_full_state_dict", "validate_state_dict_type"]
+
+
+def validate_state_dict_type(state_dict_type: object) -> StateDictType:
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(
+            f"state_dict_type takes a StateDictType, got {state_dict_type!r}; e.g. "
+            "StateDictType.FULL_STATE_DICT."
+        )
+    if state_dict_type is not StateDictType.FULL_STATE_DICT:
+        raise NotImplementedError(
+            f"{state_dict_type} is not supported yet: local and sharded state dicts come with "
+            "the sharded state dict work (a later fsdp_core issue). Use "
+            "StateDictType.FULL_STATE_DICT."
+        )
+    return state_dict_type
+
+
+def full_state_dict(module: nn.Module, prefix: str = "") -> OrderedDict[str, Any]:
+    """The full state dict of the FSDP instance ``module``. See [Note: full state dict]."""
+    own = state_of(module)
+    if own is None:
+        raise AssertionError(f"[rank {dist.get_rank()}] full_state_dict needs an FSDP instance")
+    validate_state_dict_type(own.state_dict_type)
+    config = own.state_dict_config
+    with (
+        _plain_state_dicts(module),
+        summon_full_params(
+            module,
+            recurse=True,
+            writeback=False,
+            rank0_only=config.rank0_only,
+            offload_to_cpu=config.offload_to_cpu,
+        ),
+    ):
+        raw = nn.Module.state_dict(module, prefix=prefix)
+    result: OrderedDict[str, Any] = OrderedDict()
+    if config.rank0_only and dist.get_rank() != 0:
+        return result
+    orig_dtypes = _buffer_orig_dtypes(module, prefix)
+    for key, value in raw.items():
+        name = clean_fqn(key)
+        if isinstance(value, torch.Tensor):
+            if name in orig_dtypes:
+                value = value.to(orig_dtypes[name])
+            if config.offload_to_cpu:
+                value = value.cpu()
+        result[name] = value
+    metadata = getattr(raw, "_metadata", None)
+    if metadata is not None:
+        # The inner module's entry comes after its wrapper's and wins (its version matters).
+        result._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (clean_fqn(k), v) for k, v in metadata.items()
+        )
+    return result
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
+) -> _IncompatibleKeys:
+    """Load a full state dict into the FSDP instance ``module``. See [Note: full state dict]."""
+    own = state_of(module)
+    if own is None:
+        raise AssertionError(f"[rank {dist.get_rank()}] load_full_state_dict needs FSDP")
+    validate_state_dict_type(own.state_dict_type)
+    with _plain_state_dicts(module), summon_full_params(module, recurse=True, writeback=True):
+        real_names = {clean_fqn(k): k for k in nn.Module.state_dict(module, keep_vars=True)}
+        renamed: OrderedDict[str, Any] = OrderedDict(
+            (real_names.get(k, k), v) for k, v in state_dict.items()
+        )
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            renamed._metadata = OrderedDict(  # type: ignore[attr-defined]
+                (name, metadata[clean_fqn(name)])
+                for name, _ in module.named_modules(remove_duplicate=False)
+                if clean_fqn(name) in metadata
+            )
+        result = nn.Module.load_state_dict(module, renamed, strict=False)
+    missing = [clean_fqn(k) for k in result.missing_keys]
+    unexpected = [clean_fqn(k) for k in result.unexpected_keys]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+            f"{missing}, unexpected keys {unexpected}. A full state dict uses the unwrapped "
+            "module's names; pass strict=False to load a partial one."
+        )
+    return _IncompatibleKeys(missing, unexpected)
+
+
+@contextlib.contextmanager
+def _plain_state_dicts(module: nn.Module) -> Iterator[None]:
+    """Nested instances' ``state_dict`` behaves like ``nn.Module``'s while this is active."""
+    states = states_in(module)
+    for state in states:
+        state.in_state_dict = True
+    try:
+        yield
+    finally:
+        for state in states:
+            state.in_state_dict = False
+
+
+def _buffer_orig_dtypes(module: nn.Module, prefix: str) -> dict[str, torch.dtype]:
+    """State dict key (clean) -> wrap-time dtype of every buffer an instance casts."""
+    names = {id(m): clean_fqn(name) for name, m in module.named_modules()}
+    found: dict[str, torch.dtype] = {}
+    for state in states_in(module):
+        policy = state.config.mixed_precision
+        if policy is None or policy.buffer_dtype is None:
+            continue
+        for slot in state.buffers:
+            owner = names.get(id(slot.module))
+            if owner is None:
+                continue
+            found[clean_fqn(prefix + (f"{owner}." if owner else "") + slot.name)] = slot.orig_dtype
+    return found
