@@ -1,0 +1,43 @@
+"""The ``fsdp-testing`` command line (also ``python -m fsdp_testing``).
+
+Subcommands, one module each, imported only when the command line runs (the pytest plugin never
+imports this package):
+
+- ``check`` (``check.py``): the parity and communication matrix of a sharding engine.
+- ``trace`` (``trace.py``): a Perfetto/Chrome trace and a PNG timeline of a few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import check, trace
+
+    parser = argparse.ArgumentParser(
+        prog="fsdp-testing",
+        description="Check and trace sharded training on CPU ranks (gloo).",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    check.add_parser(subparsers)
+    trace.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    finally:
+        from fsdp_testing.launcher import shutdown
+
+        shutdown()

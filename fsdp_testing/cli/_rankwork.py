@@ -1,0 +1,349 @@
+"""What the CLI runs on every rank: one matrix row of ``check``, or the steps of ``trace``.
+
+The tasks are picklable objects with ``run_on_rank(ctx)`` (see ``fsdp_testing/_task.py``); each
+rank writes what it measured as JSON into a directory the parent reads afterwards.
+
+[Note: lockstep rows]
+A row trains the sharded model and its data parallel reference side by side with SGD and
+momentum, comparing the loss and every full parameter after every step. Collectives are counted
+only while the sharded model runs one step, and only from the second step on: the first
+iteration also validates the units' order across ranks (one small all-reduce per unit
+collective) and records the order that prefetching follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from ._matrix import MODELS, Config
+from ._measure import (
+    CollectiveLog,
+    current_rss_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    theoretical_volume,
+)
+
+__all__ = ["CheckCase", "TraceCase", "resolve_engine"]
+
+_LR = 0.01
+
+
+def resolve_engine(name: str) -> Any:
+    """A registered engine, or the object (instantiated if a class) that ``module:attr``
+    names."""
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        found = getattr(importlib.import_module(module_name), attribute)
+        return found() if isinstance(found, type) else found
+    from fsdp_testing.engines import get_engine
+
+    return get_engine(name)
+
+
+def _options(config: Config) -> dict[str, Any]:
+    import torch
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        CPUOffload,
+        MixedPrecision,
+        ShardingStrategy,
+    )
+
+    options: dict[str, Any] = {
+        "sharding_strategy": ShardingStrategy[config.strategy],
+        "backward_prefetch": (
+            None if config.prefetch == "none" else BackwardPrefetch[config.prefetch]
+        ),
+    }
+    if config.offload == "on":
+        options["cpu_offload"] = CPUOffload(offload_params=True)
+    if config.mp != "off":
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.mp]
+        options["mixed_precision"] = MixedPrecision(param_dtype=dtype)
+    return options
+
+
+class _Models:
+    """The sharded model, its reference and their optimizers for one row."""
+
+    def __init__(self, config: Config, ctx: Any) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from fsdp_testing import models
+        from fsdp_testing.engines import use_engine
+        from fsdp_testing.parity import _test_model
+
+        class_name, reference = MODELS[config.model]
+        model_class = getattr(models, class_name)
+        group, device = ctx.process_group, ctx.device
+        self.device = device
+        self.engine = resolve_engine(config.engine)
+        plain = model_class.init(
+            group,
+            models.FSDPInitMode.NO_FSDP,
+            models.DEVICEInitMode.DEVICE_BEFORE,
+            deterministic=True,
+            device=device,
+        )
+        self.reference = (
+            models.DummyDDP(plain)
+            if reference == "self"
+            else DistributedDataParallel(plain, process_group=group)
+        )
+        options = _options(config)
+        with use_engine(self.engine):
+            sharded = model_class.init(
+                group,
+                models.FSDPInitMode.RECURSIVE,
+                models.DEVICEInitMode.DEVICE_BEFORE,
+                options,
+                deterministic=True,
+                device=device,
+            )
+            if not self.engine.is_wrapped(sharded):
+                # The reference is data parallel over the whole model: shard the root too.
+                sharded = self.engine.wrap(sharded, group, **options)
+        self.sharded = sharded
+        policy = options.get("mixed_precision")
+        self.mp_dtype = policy.param_dtype if policy is not None else None
+        self.test_model = _test_model(sharded)
+        self.ref_test_model = _test_model(self.reference)
+        self.optim = torch.optim.SGD(sharded.parameters(), lr=_LR, momentum=0.9)
+        self.ref_optim = torch.optim.SGD(self.reference.parameters(), lr=_LR, momentum=0.9)
+
+    def step(self, sharded: bool) -> Any:
+        import torch
+
+        model = self.sharded if sharded else self.reference
+        test_model = self.test_model if sharded else self.ref_test_model
+        optim = self.optim if sharded else self.ref_optim
+        # The reference computes in the low precision under autocast; the sharded model casts
+        # itself (its mixed precision policy).
+        autocast = self.mp_dtype is not None and not sharded
+        optim.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=self.mp_dtype, enabled=autocast):
+            inputs = test_model.get_input(self.device)
+            loss = test_model.get_loss(inputs, model(*inputs))
+        test_model.run_backward(loss)
+        optim.step()
+        return loss.detach().float()
+
+    def full_params(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        from fsdp_testing.engines import clean_param_name
+        from fsdp_testing.parity import _reference_body
+
+        ref = [
+            (clean_param_name(n), p.detach().clone())
+            for n, p in _reference_body(self.reference).named_parameters()
+        ]
+        try:
+            mine = self.engine.named_full_params(self.sharded)
+        except NotImplementedError:
+            mine = _core_full_params(self.sharded)
+            if mine is None:
+                raise
+        return ref, mine
+
+
+def _core_full_params(model: Any) -> list[tuple[str, Any]] | None:
+    """fsdp_core parameters gathered from the local shards the optimizer steps, for as long as
+    the core has no ``summon_full_params``; None for other layouts."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from fsdp_core import FullyShardedDataParallel as CoreFSDP
+    except ImportError:
+        return None
+    instances = CoreFSDP.fsdp_modules(model)
+    if not instances:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    found: dict[str, Any] = {}
+    for instance in instances:
+        unit = instance._unit
+        if unit is None:
+            continue
+        for sp in unit.params:
+            name = names[id(sp.sharded)]
+            if unit.replicate:
+                found[name] = sp.sharded.detach().clone()
+                continue
+            shards = [torch.empty_like(sp.padded_shard) for _ in range(unit.group_size)]
+            dist.all_gather(shards, sp.padded_shard.detach().contiguous(), group=unit.group)
+            found[name] = torch.cat(shards)[: sp.rows].clone()
+    return [(n, found[n]) for n, _ in model.named_parameters() if n in found]
+
+
+def _max_abs_diff(pairs: list[tuple[str, Any, Any]]) -> float:
+    import torch
+
+    worst = 0.0
+    for _, ref, mine in pairs:
+        if ref is None or mine is None or ref.shape != mine.shape:
+            return float("inf")
+        if ref.numel():
+            diff = (mine.detach().cpu().double() - ref.detach().cpu().double()).abs().max()
+            worst = max(worst, float(diff)) if not torch.isnan(diff) else float("nan")
+    return worst
+
+
+@dataclasses.dataclass
+class CheckCase:
+    """One matrix row, run on every rank. See [Note: lockstep rows].
+
+    Args:
+        config: the row.
+        steps: training steps (collectives are counted from step 2 on).
+        out_dir: where each rank writes ``rank{N}.json``.
+    """
+
+    config: Config
+    steps: int
+    out_dir: str
+
+    def run_on_rank(self, ctx: Any) -> None:
+        reset_peak_rss()
+        result: dict[str, Any] = {"rank": ctx.rank, "rss_start": current_rss_bytes()}
+        start = time.perf_counter()
+        try:
+            result.update(self._train(ctx))
+            result["status"] = "ok"
+        except NotImplementedError as missing:
+            result["status"] = "unavailable"
+            result["message"] = f"{type(missing).__name__}: {missing}"
+        result["peak_rss"] = peak_rss_bytes()
+        result["wall_s"] = time.perf_counter() - start
+        _write(self.out_dir, ctx.rank, result)
+
+    def _train(self, ctx: Any) -> dict[str, Any]:
+        from fsdp_testing._compare import align_named, compare_named, tensor_divergence
+
+        models = _Models(self.config, ctx)
+        low_precision = models.mp_dtype is not None
+        log = CollectiveLog()
+        loss_diff = param_diff = 0.0
+        failures: list[str] = []
+        step_times: list[float] = []
+        comm: list[dict[str, tuple[int, int]]] = []
+        for step in range(1, self.steps + 1):
+            ref_loss = models.step(sharded=False)
+            log.clear()
+            counted = step > 1 or self.steps == 1
+            with log.watching():
+                begin = time.perf_counter()
+                loss = models.step(sharded=True)
+                elapsed = time.perf_counter() - begin
+            if counted:
+                step_times.append(elapsed)
+                comm.append(log.totals())
+            loss_diff = max(loss_diff, abs(float(loss) - float(ref_loss)))
+            if low_precision:
+                # The reference runs under autocast and the sharded model under its own policy:
+                # losses agree to the low dtype's resolution, parameters are not compared.
+                bad = tensor_divergence("loss", ref_loss.to(models.mp_dtype), loss)
+                if bad is not None and not failures:
+                    failures.append(f"step {step}: {bad}")
+                continue
+            ref_params, params = models.full_params()
+            param_diff = max(param_diff, _max_abs_diff(align_named(ref_params, params)))
+            found = compare_named([("loss", ref_loss)], [("loss", loss)])
+            found += compare_named(ref_params, params)
+            if found and not failures:
+                failures.extend(f"step {step}: {d}" for d in found[:5])
+        theory = theoretical_volume(models.sharded, full_shard=self.config.strategy == "FULL_SHARD")
+        return {
+            "loss_diff": loss_diff,
+            "param_diff": None if low_precision else param_diff,
+            "parity_failures": failures,
+            "comm": {k: list(v) for k, v in comm[-1].items()} if comm else {},
+            "comm_consistent": all(c == comm[-1] for c in comm),
+            "theory": {k: list(v) for k, v in theory.totals().items()} if theory else None,
+            "layout": theory.layout if theory else None,
+            "step_s": statistics.median(step_times) if step_times else None,
+        }
+
+
+def _write(out_dir: str, rank: int, data: dict[str, Any]) -> None:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+@dataclasses.dataclass
+class TraceCase:
+    """A few training steps of one configuration, recorded for ``fsdp-testing trace``.
+
+    Each rank writes its events (times in ns on the machine-wide monotonic clock): step phases,
+    every collective with its duration, and, for fsdp_core, every unshard, reshard and offload
+    copy the engine published.
+    """
+
+    config: Config
+    steps: int
+    out_dir: str
+
+    def run_on_rank(self, ctx: Any) -> None:
+        models = _Models(self.config, ctx)
+        log = CollectiveLog()
+        engine_events: list[dict[str, Any]] = []
+        phases: list[dict[str, Any]] = []
+        subscription = _subscribe_core_events(engine_events)
+        try:
+            with log.watching():
+                for step in range(1, self.steps + 1):
+                    phases.append(self._step(models, step))
+        finally:
+            if subscription is not None:
+                subscription.remove()
+        _write(
+            self.out_dir,
+            ctx.rank,
+            {
+                "rank": ctx.rank,
+                "phases": phases,
+                "collectives": [dataclasses.asdict(c) for c in log.calls],
+                "events": engine_events,
+            },
+        )
+
+    @staticmethod
+    def _step(models: _Models, step: int) -> dict[str, Any]:
+        test_model, device = models.test_model, models.device
+        t0 = time.perf_counter_ns()
+        models.optim.zero_grad(set_to_none=True)
+        inputs = test_model.get_input(device)
+        loss = test_model.get_loss(inputs, models.sharded(*inputs))
+        t1 = time.perf_counter_ns()
+        test_model.run_backward(loss)
+        t2 = time.perf_counter_ns()
+        models.optim.step()
+        t3 = time.perf_counter_ns()
+        return {"step": step, "forward": [t0, t1], "backward": [t1, t2], "optimizer": [t2, t3]}
+
+
+def _subscribe_core_events(sink: list[dict[str, Any]]) -> Any:
+    try:
+        from fsdp_core import events
+    except ImportError:
+        return None
+
+    def record(event: Any) -> None:
+        fields = (
+            dataclasses.asdict(event)
+            if dataclasses.is_dataclass(event) and not isinstance(event, type)
+            else {}
+        )
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
+        sink.append({"type": type(event).__name__, "t_ns": time.perf_counter_ns(), **fields})
+
+    return events.subscribe(record)

@@ -1,0 +1,285 @@
+"""``fsdp-testing check``: the parity and communication matrix of a sharding engine on CPU ranks.
+
+Every row trains a reference model sharded by the engine next to a data parallel reference on
+gloo ranks of the warm pool, then reports loss and parameter parity, the collectives and bytes
+of one step against the theoretical volume, peak resident memory per rank and time. The exit
+status is 1 if any row mismatches or errors, so CI can run it as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ._matrix import AXES, DEFAULTS, Config, build_matrix, parse_axis
+from ._report import ERROR, MISMATCH, OK, UNAVAILABLE, RowResult, write_json, write_junit
+from ._table import Progress, format_table
+
+__all__ = ["add_parser", "run", "run_matrix"]
+
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "check",
+        help="run the parity and communication matrix on CPU ranks",
+        description=__doc__.splitlines()[0],
+    )
+    for axis, values in AXES.items():
+        parser.add_argument(
+            f"--{axis}",
+            default=",".join(DEFAULTS[axis]),
+            metavar="A,B",
+            help=f"values: {', '.join(values)}, all (default: {','.join(DEFAULTS[axis])})"
+            + ("; or module:attribute naming an engine" if axis == "engine" else ""),
+        )
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per row (default 3)")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per row before it counts as hung"
+    )
+    parser.add_argument(
+        "--comm",
+        choices=("strict", "report"),
+        default="strict",
+        help="strict (default): communication that differs from the theoretical volume is a "
+        "mismatch; report: show it without failing (e.g. to compare torch's engines)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write a JSON report")
+    parser.add_argument("--junit-xml", metavar="PATH", help="write a JUnit XML report")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        selection = {axis: parse_axis(axis, getattr(args, axis)) for axis in AXES}
+    except ValueError as error:
+        print(f"fsdp-testing check: {error}", file=sys.stderr)
+        return 2
+    if args.world_size < 1 or args.steps < 1:
+        print("fsdp-testing check: --world-size and --steps must be at least 1", file=sys.stderr)
+        return 2
+    configs = build_matrix(selection)
+    print(
+        f"fsdp-testing check: {len(configs)} configurations on {args.world_size} gloo ranks, "
+        f"{args.steps} steps each"
+    )
+    started = time.monotonic()
+    rows = run_matrix(
+        configs,
+        world_size=args.world_size,
+        steps=args.steps,
+        timeout=args.timeout,
+        strict_comm=args.comm == "strict",
+    )
+    total = time.monotonic() - started
+    print()
+    print(render(rows))
+    counts = {s: sum(r.status == s for r in rows) for s in (OK, MISMATCH, ERROR, UNAVAILABLE)}
+    print(
+        f"\n{counts[OK]} ok, {counts[MISMATCH]} mismatched, {counts[ERROR]} errors, "
+        f"{counts[UNAVAILABLE]} unavailable in {total:.1f} s"
+    )
+    for row in rows:
+        if row.status != OK or row.notes:
+            print(f"\n{row.status}: {row.config.label}")
+            for problem in [*row.problems[:8], *row.notes]:
+                print(f"  {problem}")
+    meta = {"world_size": args.world_size, "steps": args.steps, "time_s": round(total, 3)}
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.junit_xml:
+        write_junit(args.junit_xml, rows, total)
+    if rows and all(r.status == UNAVAILABLE for r in rows):
+        print("fsdp-testing check: no configuration could run", file=sys.stderr)
+        return 1
+    return 1 if any(r.failed for r in rows) else 0
+
+
+def run_matrix(
+    configs: list[Config],
+    *,
+    world_size: int,
+    steps: int,
+    timeout: float,
+    strict_comm: bool = True,
+) -> list[RowResult]:
+    """Run each configuration as one distributed task on the warm pool, with progress.
+
+    Args:
+        configs: the rows.
+        world_size: gloo ranks.
+        steps: training steps per row.
+        timeout: seconds per row.
+        strict_comm: communication that differs from the theory makes the row a mismatch
+            (default True); otherwise it is reported as a note.
+    """
+    from fsdp_testing._spec import DistSpec, Mode
+    from fsdp_testing._task import Task
+    from fsdp_testing.launcher import LaunchSettings, run_distributed
+
+    from ._rankwork import CheckCase
+
+    progress = Progress(len(configs))
+    spec = DistSpec(world_size, backend="gloo", mode=Mode.PROCESS, timeout=timeout)
+    rows = []
+    for config in configs:
+        progress.start(config.label)
+        out_dir = tempfile.mkdtemp(prefix="fsdp-testing-check-")
+        begin = time.monotonic()
+        try:
+            task = Task(CheckCase(config, steps, out_dir), {}, test_id=config.label)
+            verdict = run_distributed(task, spec, LaunchSettings(timeout=timeout))
+            ranks = _read_ranks(out_dir, world_size)
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        row = _merge(config, verdict.outcome, verdict.message, ranks, strict_comm)
+        row.time_s = time.monotonic() - begin
+        note = row.problems[0][:100] if row.problems and row.status != OK else ""
+        progress.finish(config.label, row.status, row.time_s, note)
+        rows.append(row)
+    return rows
+
+
+def _read_ranks(out_dir: str, world_size: int) -> dict[int, dict[str, Any]]:
+    found = {}
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                found[rank] = json.load(f)
+    return found
+
+
+def _merge(
+    config: Config,
+    outcome: str,
+    message: str,
+    ranks: dict[int, dict[str, Any]],
+    strict_comm: bool,
+) -> RowResult:
+    row = RowResult(config, OK)
+    row.peak_rss = [ranks[r]["peak_rss"] for r in sorted(ranks)]
+    row.rss_start = [ranks[r]["rss_start"] for r in sorted(ranks)]
+    if outcome != "passed" or not ranks:
+        row.status = ERROR
+        row.problems = (message or f"the ranks' outcome: {outcome}").splitlines()[:40]
+        return row
+    if any(data["status"] == UNAVAILABLE for data in ranks.values()):
+        row.status = UNAVAILABLE
+        row.problems = sorted({d["message"] for d in ranks.values() if "message" in d})
+        return row
+    first = ranks[min(ranks)]
+    row.loss_diff = max(d["loss_diff"] for d in ranks.values())
+    diffs = [d["param_diff"] for d in ranks.values() if d["param_diff"] is not None]
+    row.param_diff = max(diffs) if diffs else None
+    row.step_s = max(d["step_s"] for d in ranks.values() if d["step_s"] is not None)
+    row.comm = {k: (v[0], v[1]) for k, v in first["comm"].items()}
+    row.layout = first["layout"]
+    if first["theory"] is not None:
+        row.theory = {k: (v[0], v[1]) for k, v in first["theory"].items()}
+    for rank, data in sorted(ranks.items()):
+        row.problems += [f"[rank {rank}] parity: {p}" for p in data["parity_failures"]]
+        if data["comm"] != first["comm"] or data["theory"] != first["theory"]:
+            row.problems.append(
+                f"[rank {rank}] communication differs from rank {min(ranks)}: {data['comm']} "
+                f"against {first['comm']}"
+            )
+        if not data["comm_consistent"]:
+            row.problems.append(f"[rank {rank}] collectives differ between steps 2..N")
+    if strict_comm:
+        row.problems += _comm_problems(row.comm, row.theory)
+    else:
+        row.notes += _comm_problems(row.comm, row.theory)
+    if row.problems:
+        row.status = MISMATCH
+    return row
+
+
+def _comm_problems(
+    comm: dict[str, tuple[int, int]], theory: dict[str, tuple[int, int]] | None
+) -> list[str]:
+    if theory is None:
+        return []
+    problems = []
+    for kind in sorted(set(comm) | set(theory)):
+        got, want = comm.get(kind, (0, 0)), theory.get(kind, (0, 0))
+        if got != want:
+            problems.append(
+                f"communication: {kind} {got[0]} calls / {got[1]:,} B per step, theory "
+                f"{want[0]} calls / {want[1]:,} B"
+            )
+    return problems
+
+
+def _fmt_diff(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def _fmt_comm(comm: dict[str, tuple[int, int]], kinds: tuple[str, ...]) -> str:
+    parts = []
+    for kind in kinds:
+        if kind in comm:
+            count, size = comm[kind]
+            short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}[kind]
+            parts.append(f"{count} {short} {size:,} B")
+    return ", ".join(parts) if parts else "none"
+
+
+def _theory_cell(row: RowResult) -> str:
+    if row.status in (ERROR, UNAVAILABLE):
+        return "-"
+    if row.theory is None:
+        return "n/a"
+    if not _comm_problems(row.comm, row.theory):
+        return "= theory"
+    return "theory: " + _fmt_comm(row.theory, _KINDS)
+
+
+def _parity_cell(row: RowResult) -> str:
+    if row.status in (ERROR, UNAVAILABLE):
+        return row.status
+    return "FAIL" if any("parity:" in p for p in row.problems) else "ok"
+
+
+def render(rows: list[RowResult]) -> str:
+    """The result table, one line per configuration."""
+    headers = [
+        "configuration",
+        "parity",
+        "loss diff",
+        "param diff",
+        "all-gather/step",
+        "reduce/step",
+        "vs theory",
+        "peak RSS MiB",
+        "step ms",
+        "time s",
+    ]
+    body = []
+    for row in rows:
+        ran = row.status not in (ERROR, UNAVAILABLE)
+        body.append(
+            [
+                row.config.label,
+                _parity_cell(row),
+                _fmt_diff(row.loss_diff) if ran else "-",
+                _fmt_diff(row.param_diff) if ran else "-",
+                _fmt_comm(row.comm, ("all_gather",)) if ran else "-",
+                _fmt_comm(row.comm, ("reduce_scatter", "all_reduce")) if ran else "-",
+                _theory_cell(row),
+                "/".join(f"{b / 2**20:.0f}" for b in row.peak_rss) or "-",
+                f"{row.step_s * 1e3:.1f}" if row.step_s is not None else "-",
+                f"{row.time_s:.2f}",
+            ]
+        )
+    return format_table(headers, body)
