@@ -5,7 +5,7 @@ in one pytest session; the figure is the median wall time pytest records per tes
 and teardown), so interpreter start and the first pool start are not counted in the median but
 every per-test cost is. Peers: torch's ``MultiProcessTestCase`` (a fresh process per rank per
 test) and ``MultiThreadedTestCase`` (threads), both from ``torch.testing._internal`` (they need
-the dev-only package ``expecttest``: ``pip install expecttest``).
+the dev-only package ``expecttest``, which the ``test`` extra installs).
 
 Usage: python benchmarks/harness_overhead.py [--tests N] [--torch-tests N]
 """
