@@ -255,11 +255,12 @@ def _core_volume(model: Any, full_shard: bool) -> CommVolume | None:
         world = unit.group_size
         sharded = not unit.replicate
         trainable = [p for p in unit.params if p.requires_grad]
-        itemsize = unit.dtype.itemsize
+        # Gathered in the compute dtype and reduced in the reduce dtype (mixed precision).
+        precision = getattr(unit, "precision", None)
+        gather_size = getattr(precision, "param_dtype", None) or unit.dtype
+        reduce_size = getattr(precision, "reduce_dtype", None) or unit.dtype
 
-        def size(
-            p: Any, world: int = world, sharded: bool = sharded, itemsize: int = itemsize
-        ) -> int:
+        def size(p: Any, itemsize: int, world: int = world, sharded: bool = sharded) -> int:
             shape = tuple(p.full_shape)
             if sharded:
                 return _padded_bytes(shape, world, itemsize)
@@ -271,8 +272,10 @@ def _core_volume(model: Any, full_shard: bool) -> CommVolume | None:
         units.append(
             UnitVolume(
                 name=instance._fsdp_state.fqn or "<root>",
-                gather_bytes=sum(size(p) for p in unit.params) if sharded else 0,
-                reduce_bytes=sum(size(p) for p in trainable),
+                gather_bytes=(
+                    sum(size(p, gather_size.itemsize) for p in unit.params) if sharded else 0
+                ),
+                reduce_bytes=sum(size(p, reduce_size.itemsize) for p in trainable),
                 gathers=_gathers(
                     sharded, bool(instance._fsdp_state.is_root), bool(trainable), full_shard
                 ),
@@ -332,12 +335,11 @@ def _fsdp2_volume(model: Any, full_shard: bool) -> CommVolume | None:
         gather = reduce = 0
         trainable = False
         for fp in group.fsdp_params:
-            itemsize = fp.param_dtype.itemsize if fp.param_dtype else fp.orig_dtype.itemsize
-            size = math.prod(fp.padded_sharded_param_size) * world * itemsize
-            gather += size
+            numel = math.prod(fp.padded_sharded_param_size) * world
+            gather += numel * (fp.param_dtype or fp.orig_dtype).itemsize
             if fp.sharded_param.requires_grad:
                 trainable = True
-                reduce += size
+                reduce += numel * (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype).itemsize
         units.append(
             UnitVolume(
                 name=type(module).__name__,
