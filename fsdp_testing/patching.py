@@ -21,8 +21,11 @@ leave restores the original under the others. Here the attribute is replaced onc
 a dispatcher (reference counted: the first entry installs it, the last exit restores the
 original) and each rank registers its replacement with the dispatcher, which calls the
 replacement of the calling rank (``dist.get_rank()``; ranks outside any patch run the original).
-Entry and exit are still separated by barriers, as torch's are, so that every rank is inside the
-patch before any rank uses it and none restores while another still runs patched code.
+Barriers keep the ranks in step, as torch's do: one before the dispatcher is installed (a rank
+that captures ``orig = dist.all_gather_single`` just before entering gets the real function) and
+one after (every rank is inside before any uses the patch); on exit one before the last
+replacement is removed (no rank leaves while another still runs patched code) and one after
+(every rank sees the original again once its block ends).
 
 [Note: chained patches]
 Patches nest: per rank, the innermost ``with`` block's replacement runs first. A call to the
@@ -106,6 +109,10 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _no_barrier() -> None:
+    pass
 
 
 def _levels() -> dict[int, int]:
@@ -299,17 +306,20 @@ def patched(
     """
     family = _family([target] if isinstance(target, PatchTarget) else list(target))
     rank = _rank()
+    sync = _barrier if barrier else _no_barrier
+    # See [Note: patching under thread ranks]: before and after installing, so that no rank
+    # sees the dispatcher before entering, and none sees it after leaving.
+    sync()
     family.acquire(rank, replacement)
     try:
-        if barrier:
-            _barrier()
+        sync()
         yield family.next_below(replacement)
     finally:
         try:
-            if barrier:
-                _barrier()
+            sync()
         finally:
             family.release(rank, replacement)
+        sync()
 
 
 def _normalized(new: Callable[..., Any], family: str) -> Callable[..., Any]:
