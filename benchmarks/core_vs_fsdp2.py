@@ -1,0 +1,249 @@
+"""fsdp_core against torch's FSDP2 (``fully_shard``) and DDP on CPU/gloo, measured in one run.
+
+World size 2, a transformer-like model (pre-norm blocks of multi-head attention and a 4x MLP).
+Each engine runs in freshly forked rank processes (one thread each) so that peak memory is its
+own: per engine and rank, the median step time after warm-up, the peak resident set size (RSS
+high-water mark, reset just before the model is built), and the collectives and bytes of one
+step against the theoretical volume (see [Note: theoretical volume] in
+``fsdp_testing/cli/_measure.py``). Wrapping is the same for both sharded engines: every block is
+a unit and the root owns the rest; FULL_SHARD with backward prefetch of one unit; the root keeps
+its parameters from forward to backward (FSDP2: ``reshard_after_forward=False`` on the root,
+which is what fsdp_core and FSDP1 do for the root).
+
+Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+ENGINES = ("fsdp_core", "torch_fsdp2", "ddp")
+
+
+def _build(width: int, blocks: int) -> Any:
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1 = nn.LayerNorm(width)
+            self.attn = nn.MultiheadAttention(width, 8, batch_first=True)
+            self.norm2 = nn.LayerNorm(width)
+            self.mlp = nn.Sequential(
+                nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.norm2(x))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj_in = nn.Linear(width, width)
+            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.proj_in(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    return Model(), Block
+
+
+def _wrap(engine: str, model: Any, block_class: type) -> Any:
+    import torch.distributed as dist
+
+    if engine == "fsdp_core":
+        from fsdp_core import BackwardPrefetch, ShardingStrategy
+        from fsdp_core import FullyShardedDataParallel as FSDP
+        from fsdp_core.wrap import ModuleWrapPolicy
+
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({block_class}),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        )
+    if engine == "torch_fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_dir: str) -> None:
+    """One engine on one rank; writes ``{engine}-rank{N}.json`` into ``out_dir``."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_testing.cli._measure import (
+        CollectiveLog,
+        current_rss_bytes,
+        peak_rss_bytes,
+        reset_peak_rss,
+        theoretical_volume,
+    )
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    reset_peak_rss()
+    rss_start = current_rss_bytes()
+    model, block_class = _build(width, blocks)
+    model = _wrap(engine, model, block_class)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    batch = torch.randn(4, 64, width, generator=torch.Generator().manual_seed(rank))
+    log = CollectiveLog()
+    times: list[float] = []
+    per_step: list[dict[str, tuple[int, int]]] = []
+    for step in range(warmup + steps):
+        log.clear()
+        with log.watching():
+            begin = time.perf_counter()
+            optim.zero_grad(set_to_none=True)
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            optim.step()
+            elapsed = time.perf_counter() - begin
+        if step >= warmup:
+            times.append(elapsed)
+            per_step.append(log.totals())
+    # DDP all-reduces its buckets from its C++ Reducer, below the Python API that
+    # CollectiveLog watches: its collectives are not counted (shown as "not visible").
+    theory = theoretical_volume(model, full_shard=True)
+    theory_totals = theory.totals() if theory is not None else {}
+    result = {
+        "engine": engine,
+        "rank": rank,
+        "step_s": statistics.median(times),
+        "step_times_s": times,
+        "peak_rss": peak_rss_bytes(),
+        "rss_start": rss_start,
+        "comm": {k: list(v) for k, v in per_step[-1].items()},
+        "comm_consistent": all(c == per_step[-1] for c in per_step),
+        "theory": {k: list(v) for k, v in theory_totals.items()},
+        "params": sum(p.numel() for p in model.parameters()) * dist.get_world_size()
+        if engine != "ddp"
+        else sum(p.numel() for p in model.parameters()),
+    }
+    with open(os.path.join(out_dir, f"{engine}-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _launch(engine: str, args: argparse.Namespace, out_dir: str) -> None:
+    from fsdp_testing._spec import DistSpec, Mode
+    from fsdp_testing._task import FunctionRef, Task
+    from fsdp_testing.launcher import LaunchSettings, run_distributed
+
+    ref = FunctionRef(module="core_vs_fsdp2", path=os.path.abspath(__file__), qualname="run_rank")
+    task = Task(
+        ref,
+        dict(
+            engine=engine,
+            width=args.width,
+            blocks=args.blocks,
+            steps=args.steps,
+            warmup=args.warmup,
+            out_dir=out_dir,
+        ),
+        test_id=f"benchmark {engine}",
+    )
+    spec = DistSpec(2, backend="gloo", mode=Mode.PROCESS, timeout=600)
+    verdict = run_distributed(task, spec, LaunchSettings(timeout=600), pool=False)
+    if verdict.outcome != "passed":
+        raise SystemExit(f"{engine}: the ranks {verdict.outcome}\n{verdict.message}")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per engine")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    out_dir = tempfile.mkdtemp(prefix="fsdp-bench-")
+    try:
+        for engine in ENGINES:
+            print(f"running {engine} ...", flush=True)
+            _launch(engine, args, out_dir)
+        results = {
+            engine: [
+                json.load(open(os.path.join(out_dir, f"{engine}-rank{r}.json"))) for r in (0, 1)
+            ]
+            for engine in ENGINES
+        }
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        from fsdp_testing.launcher import shutdown
+
+        shutdown()
+    params = results["ddp"][0]["params"]
+    print(
+        f"\nmodel: {args.blocks} blocks of width {args.width}, {params / 1e6:.2f} M parameters "
+        f"({_mib(params * 4)} MiB fp32); batch 4 x 64 tokens per rank; world size 2 (gloo, "
+        f"1 thread per rank); median of {args.steps} steps after {args.warmup} warm-up steps"
+    )
+    header = (
+        f"{'engine':12} {'step ms':>8} {'peak RSS MiB r0/r1':>19} {'RSS at start':>13} "
+        f"{'collectives/step':>38} {'vs theory':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for engine, ranks in results.items():
+        step = max(r["step_s"] for r in ranks)
+        comm = ranks[0]["comm"]
+        text = ", ".join(f"{v[0]} {k} {v[1]:,} B" for k, v in sorted(comm.items()))
+        same = comm == ranks[0]["theory"] and all(r["comm_consistent"] for r in ranks)
+        verdict = "exact" if same else "DIFFERS"
+        if engine == "ddp":
+            text, verdict = "not visible (C++ Reducer)", "-"
+        print(
+            f"{engine:12} {step * 1e3:8.1f} "
+            f"{_mib(ranks[0]['peak_rss']):>9}/{_mib(ranks[1]['peak_rss']):<9} "
+            f"{_mib(ranks[0]['rss_start']):>13} {text:>38} {verdict:>10}"
+        )
+        if verdict == "DIFFERS":
+            print(f"{'':12} theory: {ranks[0]['theory']}")
+    core, fsdp2, ddp = (max(r["step_s"] for r in results[e]) for e in ENGINES)
+    peak = {e: max(r["peak_rss"] for r in results[e]) for e in ENGINES}
+    print(
+        f"\nstep time  fsdp_core / FSDP2 = {core / fsdp2:.3f}   fsdp_core / DDP = {core / ddp:.3f}"
+    )
+    print(
+        f"peak RSS   fsdp_core / FSDP2 = {peak['fsdp_core'] / peak['torch_fsdp2']:.3f}   "
+        f"fsdp_core / DDP = {peak['fsdp_core'] / peak['ddp']:.3f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
