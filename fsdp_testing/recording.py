@@ -762,7 +762,7 @@ class FSDPRecorder:
                     "recorded; record the first forward with record_fsdp(model)"
                 )
         if actual != want:
-            raise self._fail(f"expected graph order {want}, {source} give {actual}")
+            raise self._fail(f"expected graph order {want}; according to {source} it is {actual}")
 
     def assert_resharded(
         self,
