@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up, ruff, mypy, then pytest. pytest's "no tests collected" (exit 5)
-# is a failure here, not a pass.
+# The whole test suite: set-up, ruff, mypy, the documentation (mkdocs, strict), then pytest.
+# pytest's "no tests collected" (exit 5) is a failure here, not a pass.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh || exit 1
 .venv/bin/ruff check fsdp_testing src tests examples benchmarks conftest.py || exit 1
 .venv/bin/mypy || exit 1
+.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
