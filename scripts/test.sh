@@ -6,7 +6,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh || exit 1
 .venv/bin/ruff check fsdp_testing src tests examples benchmarks conftest.py || exit 1
 .venv/bin/mypy || exit 1
-.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || exit 1
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+.venv/bin/mkdocs build --strict --quiet --site-dir "$site" || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
