@@ -1,0 +1,49 @@
+"""Record what an FSDP engine does on each rank, assert on it in one line, export a trace.
+
+::
+
+    with record_fsdp(model) as rec:
+        model(x).sum().backward()
+    rec.assert_count("all_gather", 6)
+    rec.assert_prefetch_order(["1", "0"])            # backward prefetch, by unit FQN
+    rec.export_chrome_trace(tmp_path / "trace.json")  # open in https://ui.perfetto.dev
+
+Each rank records its own calls (thread ranks included: every record carries its rank, and a
+recorder only keeps its own rank's). Records are frozen dataclasses: :class:`CollectiveRecord`,
+:class:`UnshardRecord`, :class:`ReshardRecord`, :class:`PostBackwardRecord`,
+:class:`ForwardRecord` and :class:`OffloadRecord`.
+
+What is exact and what is inferred, per engine: see [Note: what is exact and what is inferred]
+in :mod:`fsdp_testing.recording._probes`.
+
+The package, by role: ``_records`` (the record types and the log of one rank's records),
+``_probes`` (reading a unit's state from an engine's objects, naming units), ``_capture``
+(wrapping collectives and transitions, subscribing to ``fsdp_core``'s events),
+``_assertions`` (the ``assert_*`` methods), ``_trace`` (Chrome/Perfetto export) and
+``_recorder`` (:class:`FSDPRecorder` itself).
+"""
+
+from ._recorder import FSDPRecorder, record_fsdp
+from ._records import (
+    CollectiveRecord,
+    ForwardRecord,
+    OffloadRecord,
+    PostBackwardRecord,
+    Record,
+    ReshardRecord,
+    UnshardRecord,
+)
+from ._trace import chrome_trace
+
+__all__ = [
+    "CollectiveRecord",
+    "FSDPRecorder",
+    "ForwardRecord",
+    "OffloadRecord",
+    "PostBackwardRecord",
+    "Record",
+    "ReshardRecord",
+    "UnshardRecord",
+    "chrome_trace",
+    "record_fsdp",
+]

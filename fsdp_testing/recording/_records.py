@@ -1,0 +1,201 @@
+"""What a recorder keeps: the frozen record dataclasses, and the log that numbers them (``seq``,
+``step``) for one rank and answers queries over them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..patching import _COLLECTIVE_FAMILIES
+
+__all__ = [
+    "CollectiveRecord",
+    "ForwardRecord",
+    "OffloadRecord",
+    "PostBackwardRecord",
+    "Record",
+    "RecordLog",
+    "ReshardRecord",
+    "UnshardRecord",
+    "now_us",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Record:
+    """Fields every record has.
+
+    Args:
+        seq: position in this recorder's records.
+        step: the value of :meth:`FSDPRecorder.next_step`'s counter when recorded (from 0).
+        rank: global rank that recorded it.
+        unit: FQN of the unit (``""``: the root, or unknown for a collective).
+        ts_us: host time (microseconds, ``time.perf_counter``) when it started.
+        dur_us: duration in microseconds, or None for an instant.
+    """
+
+    seq: int
+    step: int
+    rank: int
+    unit: str
+    ts_us: float
+    dur_us: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveRecord(Record):
+    """One collective call. ``bytes``: the unsharded buffer (all-gather output, reduce-scatter
+    input, all-reduce tensor); ``shapes``: the tensors in call order (output first)."""
+
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    group_size: int
+    bytes: int
+    async_op: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnshardRecord(Record):
+    """A unit's parameters became unsharded. ``reason``: forward, forward_prefetch, backward,
+    backward_prefetch or explicit; ``devices``: of the unsharded parameters; ``offload``: whether
+    the engine offloads this unit (None: not reported); ``inferred``: the reason was inferred
+    (see [Note: what is exact and what is inferred])."""
+
+    reason: str
+    devices: tuple[str, ...]
+    offload: bool | None = None
+    inferred: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReshardRecord(UnshardRecord):
+    """A unit's unsharded parameters were freed; ``devices``: of the sharded parameters."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PostBackwardRecord(Record):
+    """A call of the engine's post-backward step for one unit (span only)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardRecord(Record):
+    """A sharded module's forward returned (``unit``: its FQN); gives the graph order."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadRecord(Record):
+    """An offload copy published by ``fsdp_core`` (``direction``: to_device or to_host)."""
+
+    direction: str
+    bytes: int
+
+
+def now_us() -> float:
+    """Host time in microseconds (``time.perf_counter``), the clock of ``ts_us``/``dur_us``."""
+    return time.perf_counter_ns() / 1000.0
+
+
+class RecordLog:
+    """One rank's records in the order recorded, grouped into steps, with the queries over them.
+
+    Args:
+        rank: the global rank stamped on every record (-1 outside a process group).
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.records: list[Record] = []
+        self._step = 0
+        self._lock = threading.Lock()
+
+    def next_step(self) -> None:
+        """Starts a new step: later records get ``step`` one higher."""
+        self._step += 1
+
+    def _add(self, cls: type[Record], **fields: Any) -> None:
+        with self._lock:
+            fields.setdefault("rank", self.rank)
+            self.records.append(cls(seq=len(self.records), step=self._step, **fields))
+
+    def select(
+        self,
+        cls: type[Record] = Record,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+    ) -> list[Any]:
+        """Records of type ``cls`` (default: all), optionally of one ``step`` and ``unit``."""
+        return [
+            r
+            for r in self.records
+            if isinstance(r, cls)
+            and (step is None or r.step == step)
+            and (unit is None or r.unit == unit)
+        ]
+
+    def collectives(
+        self, op: str | None = None, *, step: int | None = None, unit: str | None = None
+    ) -> list[CollectiveRecord]:
+        """Collective records; ``op`` is a torch name (``"all_gather_single"``) or a family
+        that covers both spellings (``"all_gather"``, ``"reduce_scatter"``)."""
+        names = _op_names(op)
+        return [
+            r
+            for r in self.select(CollectiveRecord, step=step, unit=unit)
+            if names is None or r.op in names
+        ]
+
+    def count(self, op: str, *, step: int | None = None, unit: str | None = None) -> int:
+        """Number of calls of collective ``op`` (a name or a family, see :meth:`collectives`)."""
+        return len(self.collectives(op, step=step, unit=unit))
+
+    def unshards(
+        self, reason: str | Iterable[str] | None = None, *, step: int | None = None
+    ) -> list[UnshardRecord]:
+        """Unshard records, optionally only those with ``reason`` (one or several)."""
+        found = self._transitions(UnshardRecord, reason, step)
+        return [r for r in found if not isinstance(r, ReshardRecord)]
+
+    def reshards(
+        self, reason: str | Iterable[str] | None = None, *, step: int | None = None
+    ) -> list[ReshardRecord]:
+        """Reshard records, optionally only those with ``reason``."""
+        return self._transitions(ReshardRecord, reason, step)
+
+    def _transitions(
+        self, cls: type[UnshardRecord], reason: str | Iterable[str] | None, step: int | None
+    ) -> list[Any]:
+        if reason is None:
+            return self.select(cls, step=step)
+        reasons = {reason} if isinstance(reason, str) else set(reason)
+        return [r for r in self.select(cls, step=step) if r.reason in reasons]
+
+    def unshard_order(
+        self, reason: str | Iterable[str] | None = None, *, step: int | None = None
+    ) -> list[str]:
+        """The units in the order they were unsharded (for ``reason``, in ``step``)."""
+        return [r.unit for r in self.unshards(reason, step=step)]
+
+    def graph_order(self, *, step: int | None = None) -> list[str]:
+        """Sharded modules in the order their forward returned, first time each (needs
+        ``model``); ``step`` defaults to the first step with a forward."""
+        forwards = self.select(ForwardRecord)
+        if step is None and forwards:
+            step = forwards[0].step
+        order: list[str] = []
+        for record in forwards:
+            if record.step == step and record.unit not in order:
+                order.append(record.unit)
+        return order
+
+
+def _op_names(op: str | None) -> set[str] | None:
+    if op is None:
+        return None
+    if op in _COLLECTIVE_FAMILIES:
+        return set(_COLLECTIVE_FAMILIES[op])
+    return {op}
