@@ -157,8 +157,13 @@ _rank_groups: list[tuple[dist.ProcessGroup, dict[int, Any]]] = []
 
 def _own_rank_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A one-rank group per rank (new_group must be called by every rank for every group)."""
-    for parent, groups in _rank_groups:
+    for parent, groups in list(_rank_groups):
         if parent is group:
+            try:
+                dist.get_rank(groups[dist.get_rank()])
+            except ValueError:  # destroyed between tests (the parent may outlive them): rebuild
+                _rank_groups.remove((parent, groups))
+                break
             return groups[dist.get_rank()]
     ranks = dist.get_process_group_ranks(group)
     groups = {r: dist.new_group([r]) for r in ranks}
