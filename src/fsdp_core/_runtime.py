@@ -210,8 +210,11 @@ class FSDPState:
             if unit is None or not unit.offload_params:
                 continue
             for p in unit.params:
-                if p.sharded.device.type != "cpu":
-                    moved.setdefault(str(p.sharded.device), []).append(p.fqn)
+                # ``module.to()`` may move the shard in place or swap in a new Parameter.
+                exposed = [m._parameters[name] for m, name in p.slots]
+                devices = {t.device for t in (p.sharded, *exposed) if t is not None}
+                for device in devices - {torch.device("cpu")}:
+                    moved.setdefault(str(device), []).append(p.fqn)
         if moved:
             device_types = sorted({torch.device(d).type for d in moved})
             raise RuntimeError(

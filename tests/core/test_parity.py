@@ -25,7 +25,11 @@ from ._parity import (
 
 KINDS = ["nested", "always_wrap", "frozen", "transformer", "moe"]
 PREFETCHES = [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+STRATEGIES = [
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD,
+]
 CONFIGS = list(itertools.product(PREFETCHES, STRATEGIES, [False, True]))
 POLICIES = [
     MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
