@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffload
 
 from fsdp_testing.engines import get_engine
 from fsdp_testing.engines.torch_fsdp1 import TorchFSDP1Engine
@@ -71,33 +72,30 @@ def test_torch_fsdp2_matches_ddp(process_group):
     )
 
 
-def _fsdp_core_missing() -> str | None:
-    try:
-        from fsdp_core import FullyShardedDataParallel  # noqa: F401
-    except ImportError as error:
-        return f"fsdp_core.FullyShardedDataParallel is not importable yet: {error}"
-    return None
-
-
-@pytest.mark.skipif(_fsdp_core_missing() is not None, reason=str(_fsdp_core_missing()))
 @pytest.mark.parametrize("model_class, options", PARITY_CASES)
 @pytest.mark.distributed(world_size=2)
 def test_fsdp_core_matches_ddp(model_class, options, process_group):
-    try:
-        check_fsdp_parity(
-            model_class,
-            FSDPInitMode.RECURSIVE,
-            DEVICEInitMode.DEVICE_BEFORE,
-            process_group=process_group,
-            engine="fsdp_core",
-            **options,
-        )
-    except NotImplementedError as missing:
-        # The core is written in parallel: the engine adapter names the piece it still lacks
-        # (summon_full_params, state_dict_type). Anything else is a real failure.
-        if "engine 'fsdp_core'" not in str(missing) or "yet" not in str(missing):
-            raise
-        pytest.skip(str(missing))
+    check_fsdp_parity(
+        model_class,
+        FSDPInitMode.RECURSIVE,
+        DEVICEInitMode.DEVICE_BEFORE,
+        process_group=process_group,
+        engine="fsdp_core",
+        **options,
+    )
+
+
+@pytest.mark.distributed(world_size=2)
+def test_fsdp_core_matches_ddp_with_cpu_offload(process_group):
+    """torch's CPUOffload, translated by the engine; parameters stay on the CPU."""
+    check_fsdp_parity(
+        NestedWrappedModule,
+        FSDPInitMode.RECURSIVE,
+        DEVICEInitMode.DEVICE_BEFORE,
+        process_group=process_group,
+        engine="fsdp_core",
+        cpu_offload=CPUOffload(offload_params=True),
+    )
 
 
 @pytest.mark.distributed(world_size=2)
