@@ -1,21 +1,20 @@
-"""Models that sleep at chosen points, and the thread-safe patch that inserts the sleeps.
+"""Models that sleep at chosen points, and the patch that inserts the sleeps.
 
 [Note: delays under thread ranks]
-A delay replaces a function shared by every rank in the process (``dist.reduce_scatter_tensor``,
-an engine's reshard). With thread ranks, one rank restoring the original while another is still
-inside its ``with`` block would silently drop the other's delay, or restore the patched function
-forever. :func:`delayed_calls` therefore installs one wrapper per target, reference counted, and
-keeps each thread's delay in thread-local storage: a rank that asked for no delay (or is outside
-the block) runs the original at full speed.
+A delay replaces a function shared by every rank in the process (``dist.reduce_scatter_single``,
+an engine's reshard). :func:`delayed_calls` installs it with :func:`fsdp_testing.patching.patched`,
+which dispatches each call to the calling rank's replacement (see [Note: patching under thread
+ranks] there): a rank that asked for no delay, or is outside the block, runs the original at
+full speed, and one rank leaving its block never removes another's delay. Delays chain with any
+other patch of the same function (a recorder, a test's ``patch_reduce_scatter``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,13 +22,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..engines import PatchTarget
+from ..patching import _collective_targets, patched
 from ._base import DEVICEInitMode, FSDPInitMode, FSDPTestModel
 
 __all__ = ["ModuleWithDelay", "NestedWrappedModuleWithDelay", "delayed_calls", "sleep_ms"]
-
-_lock = threading.Lock()
-_installed: dict[tuple[int, str], tuple[Callable[..., Any], int]] = {}  # key -> original, count
-_per_thread = threading.local()
 
 
 def sleep_ms(milliseconds: float, device: torch.device) -> None:
@@ -53,57 +49,29 @@ def _cuda_cycles_per_ms() -> float:
     return cycles / max(start.elapsed_time(end), 1e-3)
 
 
-def _thread_delays() -> dict[tuple[int, str], tuple[float, torch.device]]:
-    delays = getattr(_per_thread, "delays", None)
-    if delays is None:
-        delays = _per_thread.delays = {}
-    return delays
-
-
 @contextlib.contextmanager
-def delayed_calls(target: PatchTarget, milliseconds: float, device: torch.device) -> Iterator[None]:
-    """Within the block, calls to ``target`` from this thread sleep ``milliseconds`` first.
+def delayed_calls(
+    target: PatchTarget | Sequence[PatchTarget], milliseconds: float, device: torch.device
+) -> Iterator[None]:
+    """Within the block, calls to ``target`` from this rank sleep ``milliseconds`` first.
 
     Args:
-        target: where the callable lives (see :meth:`FSDPEngine.patch_target`).
-        milliseconds: the delay; 0 makes the block a no-op.
+        target: where the callable lives (see :meth:`FSDPEngine.patch_target`), or several
+            names of one function (as :func:`fsdp_testing.patching.patched` takes them).
+        milliseconds: the delay; 0 or less makes the block a no-op.
         device: where to sleep (CUDA sleeps are asynchronous kernels).
     """
-    # See [Note: delays under thread ranks]
-    key = (id(target.owner), target.attribute)
-    with _lock:
-        original, count = _installed.get(key, (None, 0))
-        if original is None:
-            original = target.get()
-            setattr(target.owner, target.attribute, _delaying(key, original))
-        _installed[key] = (original, count + 1)
-    delays = _thread_delays()
-    previous = delays.get(key)
-    delays[key] = (milliseconds, device)
-    try:
+    if milliseconds <= 0:
         yield
-    finally:
-        if previous is None:
-            delays.pop(key, None)
-        else:
-            delays[key] = previous
-        with _lock:
-            original, count = _installed[key]
-            if count == 1:
-                setattr(target.owner, target.attribute, original)
-                del _installed[key]
-            else:
-                _installed[key] = (original, count - 1)
+        return
 
-
-def _delaying(key: tuple[int, str], original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
     def delayed(*args: Any, **kwargs: Any) -> Any:
-        milliseconds, device = _thread_delays().get(key, (0.0, torch.device("cpu")))
         sleep_ms(milliseconds, device)
-        return original(*args, **kwargs)
+        return call_next(*args, **kwargs)  # an outer patch of ``target``, or the original
 
-    return delayed
+    # See [Note: delays under thread ranks]. No barriers: ranks need not enter together.
+    with patched(target, delayed, barrier=False) as call_next:
+        yield
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -114,7 +82,9 @@ def _module_device(module: nn.Module) -> torch.device:
 
 class ModuleWithDelay(FSDPTestModel):
     """Wraps an :class:`FSDPTestModel` and sleeps after the loss and/or before each gradient
-    reduction (``reduce_scatter_tensor`` or ``all_reduce`` from Python), on CPU or CUDA.
+    reduction collective called from Python during :meth:`run_backward` (every spelling of
+    reduce-scatter, ``reduce_scatter_single`` and ``reduce_scatter_tensor``, and
+    ``all_reduce``), on CPU or CUDA.
 
     Args:
         module: the wrapped test model (kept as ``self.module``).
@@ -151,10 +121,11 @@ class ModuleWithDelay(FSDPTestModel):
 
     def run_backward(self, loss: torch.Tensor) -> None:
         device = _module_device(self)
-        with contextlib.ExitStack() as stack:
-            for name in ("reduce_scatter_tensor", "all_reduce"):
-                target = PatchTarget(dist, name)
-                stack.enter_context(delayed_calls(target, self.delay_before_reduction_ms, device))
+        delay = self.delay_before_reduction_ms
+        with (
+            delayed_calls(_collective_targets("reduce_scatter"), delay, device),
+            delayed_calls(PatchTarget(dist, "all_reduce"), delay, device),
+        ):
             self._inner().run_backward(loss)
 
     @staticmethod

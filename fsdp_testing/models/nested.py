@@ -6,6 +6,7 @@ tests that address parameters by name carry over.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -229,7 +230,8 @@ class MixtureOfExperts(NestedWrappedModule):
         group: the process group.
         wrap_fsdp: shard ``shared`` over ``group`` and ``expert`` over a one-rank group.
         device_init_mode: when to move to ``device``.
-        delay_before_free_ms: in forward, sleep before each reshard of the active engine.
+        delay_before_free_ms: sleep before each reshard of the active engine, in forward and
+            in :meth:`run_backward`.
         deterministic: seed the shared layers identically and the expert per rank.
         device: compute device, default CUDA if available else CPU.
         fsdp_kwargs: engine options for the units.
@@ -272,14 +274,12 @@ class MixtureOfExperts(NestedWrappedModule):
         self.module = nn.Sequential(place(entry), shared_unit, expert_unit, place(exit_))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.delay_before_free_ms > 0 and self._engine is not None:
-            target = self._engine.patch_target("reshard")
-            with delayed_calls(target, self.delay_before_free_ms, self.device):
-                return self.module(x)
-        return self.module(x)
+        with self._delayed_frees():
+            return self.module(x)
 
     def run_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        with self._delayed_frees():
+            loss.backward()
         if self.wrap_fsdp:
             return
         with torch.no_grad():
@@ -288,6 +288,15 @@ class MixtureOfExperts(NestedWrappedModule):
                     continue
                 param.grad.div_(self.world_size)
                 dist.all_reduce(param.grad, group=self.group)
+
+    def _delayed_frees(self) -> contextlib.AbstractContextManager[None]:
+        # Forward and backward: the root is not sharded, so both units are roots, which
+        # fsdp_core never reshards after forward (FSDP1/FSDP2 call their reshard there but keep
+        # a root's parameters); every engine frees them in backward.
+        if self._engine is None:
+            return contextlib.nullcontext()
+        target = self._engine.patch_target("reshard")
+        return delayed_calls(target, self.delay_before_free_ms, self.device)
 
     @staticmethod
     def init(
@@ -308,7 +317,8 @@ class MixtureOfExperts(NestedWrappedModule):
             device_init_mode: when to move to ``device``.
             fsdp_kwargs: engine options for the units, default none.
             deterministic: seed the initialization (default False).
-            delay_before_free_ms: sleep before each reshard in forward (ms, default 0).
+            delay_before_free_ms: sleep before each reshard in forward and backward (ms,
+                default 0).
             device: compute device, default CUDA if available else CPU.
         """
         return MixtureOfExperts._build(
