@@ -406,11 +406,6 @@ class FSDPUnit:
         """Parameters that require gradients, in registration order."""
         return self._grad_params
 
-    @property
-    def shard_device(self) -> torch.device:
-        """Where the sharded parameters live (the CPU with offload)."""
-        return self._flat_shard.device
-
     def mark_grad_ready(self, index: int) -> bool:
         """Note that ``grad_params[index]`` got its gradient; True once all of them have."""
         self._grads_ready.add(index)
