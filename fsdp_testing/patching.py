@@ -62,7 +62,8 @@ import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,8 +72,12 @@ import torch.distributed as dist
 from .engines import FSDPEngine, PatchTarget, current_engine, get_engine
 
 __all__ = [
+    "COLLECTIVE_FAMILIES",
     "called_name",
+    "collective_targets",
     "current_full_precision_param_dtype",
+    "current_rank",
+    "normalized_collective",
     "patch_all_gather",
     "patch_all_reduce",
     "patch_post_backward",
@@ -82,15 +87,18 @@ __all__ = [
     "patch_unshard",
     "patched",
     "reduce_scatter_with_assert",
+    "resolve_engine",
 ]
 
-#: torch.distributed names that are one collective: the single-tensor spellings (new, old) and,
-#: for all-gather, the list form that FSDP1 uses on CPU. See [Note: collective calling
-#: convention] and [Note: list all-gather].
-_COLLECTIVE_FAMILIES: dict[str, tuple[str, ...]] = {
-    "all_gather": ("all_gather_single", "all_gather_into_tensor", "all_gather"),
-    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
-}
+#: torch.distributed names that are one collective, by family: the single-tensor spellings
+#: (new, old) and, for all-gather, the list form that FSDP1 uses on CPU. Read-only. See [Note:
+#: collective calling convention] and [Note: list all-gather].
+COLLECTIVE_FAMILIES: Mapping[str, tuple[str, ...]] = types.MappingProxyType(
+    {
+        "all_gather": ("all_gather_single", "all_gather_into_tensor", "all_gather"),
+        "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    }
+)
 _OUTPUT_NAMES = ("output_tensor", "output", "tensor_list")
 _INPUT_NAMES = ("input_tensor", "input", "tensor")
 
@@ -99,8 +107,9 @@ _lock = threading.RLock()
 _local = threading.local()
 
 
-def _rank() -> int:
-    """The calling rank's global rank, or -1 outside a process group."""
+def current_rank() -> int:
+    """The calling rank's global rank (per thread under thread ranks), or -1 outside a process
+    group: the key under which patches and records are kept per rank."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return -1
@@ -176,7 +185,7 @@ def _unavailable(owner: Any, attribute: str) -> Callable[..., Any]:
 
 
 def _rank_tag() -> str:
-    rank = _rank()
+    rank = current_rank()
     return f"[rank {rank}] " if rank >= 0 else ""
 
 
@@ -216,7 +225,7 @@ class _Family:
     def call(
         self, binding: _Binding, below: int | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        stack = self.stacks.get(_rank(), ())
+        stack = self.stacks.get(current_rank(), ())
         levels = _levels()
         key = id(self)
         outer = levels.get(key)
@@ -250,7 +259,7 @@ class _Family:
         """A callable that runs whatever comes after ``replacement`` for the calling rank."""
 
         def call_next(*args: Any, **kwargs: Any) -> Any:
-            stack = self.stacks.get(_rank(), [])
+            stack = self.stacks.get(current_rank(), [])
             index = next((i for i, r in enumerate(stack) if r is replacement), 0)
             return self.call(self.bindings[0], index, args, kwargs)
 
@@ -275,8 +284,21 @@ def _family(targets: Sequence[PatchTarget]) -> _Family:
     return family
 
 
-def _collective_targets(name: str) -> list[PatchTarget]:
-    return [PatchTarget(dist, n) for n in _COLLECTIVE_FAMILIES[name] if hasattr(dist, n)]
+def collective_targets(family: str) -> list[PatchTarget]:
+    """The ``torch.distributed`` names of one collective that this torch has, as patch targets
+    for :func:`patched` (which replaces them all with one chain of replacements).
+
+    Args:
+        family: a key of :data:`COLLECTIVE_FAMILIES` (``"all_gather"`` or
+            ``"reduce_scatter"``).
+
+    Raises:
+        ValueError: for another name.
+    """
+    if family not in COLLECTIVE_FAMILIES:
+        known = ", ".join(sorted(COLLECTIVE_FAMILIES))
+        raise ValueError(f"collective_targets: unknown family {family!r}; one of {known}")
+    return [PatchTarget(dist, n) for n in COLLECTIVE_FAMILIES[family] if hasattr(dist, n)]
 
 
 @contextlib.contextmanager
@@ -305,7 +327,7 @@ def patched(
         the original) for the calling rank.
     """
     family = _family([target] if isinstance(target, PatchTarget) else list(target))
-    rank = _rank()
+    rank = current_rank()
     sync = _barrier if barrier else _no_barrier
     # See [Note: patching under thread ranks]: before and after installing, so that no rank
     # sees the dispatcher before entering, and none sees it after leaving.
@@ -322,10 +344,21 @@ def patched(
         sync()
 
 
-def _normalized(new: Callable[..., Any], family: str) -> Callable[..., Any]:
-    # See [Note: collective calling convention] and [Note: list all-gather].
+def normalized_collective(new: Callable[..., Any], family: str) -> Callable[..., Any]:
+    """Wraps ``new`` so that it accepts every spelling of collective ``family`` and is always
+    called as ``new(output, input, **rest)`` (see [Note: collective calling convention]); a list
+    all-gather of one buffer's chunks reaches it as the single-tensor call, any other list
+    all-gather goes to the next implementation down (see [Note: list all-gather]).
+
+    Use it with :func:`patched` and :func:`collective_targets`, as :func:`patch_all_gather`
+    does, to see calls under one convention whichever name the engine used.
+
+    Args:
+        new: the function to call.
+        family: a key of :data:`COLLECTIVE_FAMILIES`.
+    """
     c10d = dist.distributed_c10d
-    reference = next(getattr(c10d, n) for n in _COLLECTIVE_FAMILIES[family] if hasattr(c10d, n))
+    reference = next(getattr(c10d, n) for n in COLLECTIVE_FAMILIES[family] if hasattr(c10d, n))
     trailing = list(inspect.signature(reference).parameters)[2:]  # (op,) group, async_op
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -375,13 +408,13 @@ def _flat_view(chunks: Sequence[Any]) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _patch_collective(family: str, new: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    targets = _collective_targets(family)
+    targets = collective_targets(family)
     if not targets:
         raise NotImplementedError(
             f"torch {torch.__version__} has none of torch.distributed."
-            f"{' / '.join(_COLLECTIVE_FAMILIES[family])}"
+            f"{' / '.join(COLLECTIVE_FAMILIES[family])}"
         )
-    with patched(targets, _normalized(new, family)) as call_next:
+    with patched(targets, normalized_collective(new, family)) as call_next:
         yield call_next
 
 
@@ -430,7 +463,7 @@ def patch_reduce_scatter(
     Yields:
         the next implementation down (see [Note: chained patches]).
     """
-    rank = _rank()
+    rank = current_rank()
     with _lock:
         _full_precision_dtypes.setdefault(rank, []).append(full_precision_param_dtype)
     try:
@@ -447,7 +480,7 @@ def patch_reduce_scatter(
 def current_full_precision_param_dtype() -> torch.dtype | None:
     """The ``full_precision_param_dtype`` of this rank's innermost :func:`patch_reduce_scatter`,
     or None outside one."""
-    stack = _full_precision_dtypes.get(_rank())
+    stack = _full_precision_dtypes.get(current_rank())
     return stack[-1] if stack else None
 
 
@@ -466,7 +499,13 @@ def patch_all_reduce(new_all_reduce: Callable[..., Any]) -> Iterator[Callable[..
         yield call_next
 
 
-def _engine(engine: str | FSDPEngine | None) -> FSDPEngine:
+def resolve_engine(engine: str | FSDPEngine | None) -> FSDPEngine:
+    """The engine that an ``engine=`` argument names: None means
+    :func:`~fsdp_testing.engines.current_engine`, a string a registered engine's name.
+
+    Args:
+        engine: an engine, its registered name, or None.
+    """
     if engine is None:
         return current_engine()
     return get_engine(engine) if isinstance(engine, str) else engine
@@ -476,7 +515,7 @@ def _engine(engine: str | FSDPEngine | None) -> FSDPEngine:
 def _patch_unit(
     event: str, new: Callable[..., Any], engine: str | FSDPEngine | None
 ) -> Iterator[Callable[..., Any]]:
-    with patched(_engine(engine).patch_target(event), new) as call_next:
+    with patched(resolve_engine(engine).patch_target(event), new) as call_next:
         yield call_next
 
 
@@ -554,7 +593,7 @@ def patch_register_post_backward_hook_backward(
     Returns:
         a context manager yielding the next implementation down.
     """
-    resolved = _engine(engine)
+    resolved = resolve_engine(engine)
     try:
         target = resolved.patch_target("register_post_backward_hook_backward")
     except ValueError as error:

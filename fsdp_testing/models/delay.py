@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..engines import PatchTarget
-from ..patching import _collective_targets, patched
+from ..patching import collective_targets, patched
 from ._base import DEVICEInitMode, FSDPInitMode, FSDPTestModel
 
 __all__ = ["ModuleWithDelay", "NestedWrappedModuleWithDelay", "delayed_calls", "sleep_ms"]
@@ -123,7 +123,7 @@ class ModuleWithDelay(FSDPTestModel):
         device = _module_device(self)
         delay = self.delay_before_reduction_ms
         with (
-            delayed_calls(_collective_targets("reduce_scatter"), delay, device),
+            delayed_calls(collective_targets("reduce_scatter"), delay, device),
             delayed_calls(PatchTarget(dist, "all_reduce"), delay, device),
         ):
             self._inner().run_backward(loss)

@@ -17,7 +17,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..engines import FSDPEngine, PatchTarget
-from ..patching import _COLLECTIVE_FAMILIES, _collective_targets, _normalized, called_name, patched
+from ..patching import (
+    COLLECTIVE_FAMILIES,
+    called_name,
+    collective_targets,
+    normalized_collective,
+    patched,
+)
 from ._probes import UnitNames, clean_fqn, probe_for
 from ._records import (
     CollectiveRecord,
@@ -82,10 +88,10 @@ class Capture:
             self._names.add_model(model)
             self._init_forward_hooks(model, stack)
         nexts: dict[str, Callable[..., Any]] = {}
-        for family in _COLLECTIVE_FAMILIES:
-            present = _collective_targets(family)
+        for family in COLLECTIVE_FAMILIES:
+            present = collective_targets(family)
             if present:
-                wrapper = _normalized(self._collective(family, nexts), family)
+                wrapper = normalized_collective(self._collective(family, nexts), family)
                 nexts[family] = stack.enter_context(patched(present, wrapper, barrier=False))
         nexts["all_reduce"] = stack.enter_context(
             patched(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..engines import FSDPEngine, engine_for
-from ..patching import _engine, _rank
+from ..patching import current_rank, resolve_engine
 from ._assertions import RecordAssertions
 from ._capture import Capture
 from ._probes import UnitNames
@@ -42,17 +42,17 @@ class FSDPRecorder(RecordAssertions):
         engine: str | FSDPEngine | None = None,
         barrier: bool = True,
     ) -> None:
-        super().__init__(_rank())
+        super().__init__(current_rank())
         self.model = model
         if engine is None and model is not None:
             engine = engine_for(model)
-        self.engine = _engine(engine)
+        self.engine = resolve_engine(engine)
         self._barrier = barrier
         self._names = UnitNames()
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> FSDPRecorder:
-        self.rank = _rank()
+        self.rank = current_rank()
         capture = Capture(self._add, rank=self.rank, engine=self.engine, names=self._names)
         stack = contextlib.ExitStack()
         try:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..patching import _COLLECTIVE_FAMILIES
+from ..patching import COLLECTIVE_FAMILIES
 
 __all__ = [
     "CollectiveRecord",
@@ -196,6 +196,6 @@ class RecordLog:
 def _op_names(op: str | None) -> set[str] | None:
     if op is None:
         return None
-    if op in _COLLECTIVE_FAMILIES:
-        return set(_COLLECTIVE_FAMILIES[op])
+    if op in COLLECTIVE_FAMILIES:
+        return set(COLLECTIVE_FAMILIES[op])
     return {op}

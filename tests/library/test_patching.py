@@ -282,3 +282,67 @@ def test_average_check_catches_an_engine_that_sums_gradients(rank, world_size, p
     run(broken=False)
     with pytest.raises(AssertionError, match=r"gave 2x the average gradient: .*summed"):
         run(broken=True)
+
+
+def test_public_surface_for_recorders_and_delays():
+    import fsdp_testing.patching as patching
+
+    for name in ("COLLECTIVE_FAMILIES", "collective_targets", "normalized_collective",
+                 "current_rank", "resolve_engine"):  # fmt: skip
+        assert name in patching.__all__, name
+        assert name.isupper() or getattr(patching, name).__doc__, name
+    assert set(patching.COLLECTIVE_FAMILIES["reduce_scatter"]) == {
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+    }
+    with pytest.raises(TypeError):
+        patching.COLLECTIVE_FAMILIES["all_reduce"] = ("all_reduce",)  # type: ignore[index]
+    targets = patching.collective_targets("all_gather")
+    assert targets and all(t.owner is dist for t in targets)
+    assert {t.attribute for t in targets} <= set(patching.COLLECTIVE_FAMILIES["all_gather"])
+    with pytest.raises(ValueError, match="unknown family 'all_reduce'"):
+        patching.collective_targets("all_reduce")
+    assert patching.current_rank() == -1  # outside a process group
+    assert patching.resolve_engine("torch_fsdp2") is get_engine("torch_fsdp2")
+    with use_engine("torch_fsdp1"):
+        assert patching.resolve_engine(None) is get_engine("torch_fsdp1")
+
+
+def test_normalized_collective_sees_one_convention():
+    seen: list[tuple[Any, ...]] = []
+    from fsdp_testing.patching import normalized_collective
+
+    call = normalized_collective(
+        lambda out, inp, **rest: seen.append((out, inp, sorted(rest))), "reduce_scatter"
+    )
+    out, inp = torch.zeros(2), torch.ones(4)
+    call(output=out, input=inp, group=None)
+    call(out, inp, None)  # positional op
+    assert [(o is out, i is inp, r) for o, i, r in seen] == [
+        (True, True, ["group"]),
+        (True, True, ["op"]),
+    ]
+
+
+def test_toolkit_modules_use_only_the_public_patching_names():
+    import ast
+    import pathlib
+
+    import fsdp_testing
+
+    root = pathlib.Path(fsdp_testing.__file__).parent
+    private = []
+    for path in root.rglob("*.py"):
+        if path.name == "patching.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("patching"):
+                private += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_current_rank_is_per_thread_rank(rank):
+    from fsdp_testing.patching import current_rank
+
+    assert current_rank() == rank
