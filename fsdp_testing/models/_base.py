@@ -32,7 +32,11 @@ class FSDPInitMode(enum.Enum):
 
     #: Plain module, no sharding (the data parallel reference).
     NO_FSDP = 1
-    #: Shard nested submodules as the model defines (some models also shard the root).
+    #: Shard as torch's model of the same name does: ``TransformerWithSharedParams`` and
+    #: ``AlwaysWrapNestedWrappedModule`` shard the root (its units nested inside);
+    #: ``NestedWrappedModule``, ``NonUniformReqGradNWM``, ``MixtureOfExperts`` and
+    #: ``NestedWrappedModuleWithDelay`` shard nested units only, and the parity check (as
+    #: torch's) wraps the root before training.
     RECURSIVE = 2
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 
+from fsdp_testing.engines import PatchTarget, clean_param_name, get_engine, use_engine
 from fsdp_testing.models import (
     MLP,
     AlwaysWrapNestedWrappedModule,
@@ -30,8 +33,10 @@ from fsdp_testing.models import (
     as_fsdp_init_mode,
 )
 from fsdp_testing.parity import assert_module_states_equal
+from fsdp_testing.patching import patched
 
 CPU = torch.device("cpu")
+ENGINE_NAMES = ["fsdp_core", "torch_fsdp1", "torch_fsdp2"]
 # A stand-in group for unsharded construction in a single process.
 SOLO = SimpleNamespace(rank=lambda: 0, size=lambda: 1)
 
@@ -183,3 +188,61 @@ def test_mixture_of_experts_keeps_experts_per_rank(rank, process_group):
     others = [torch.empty_like(shared_grad) for _ in range(2)]
     torch.distributed.all_gather(others, shared_grad, group=process_group)
     assert torch.equal(others[0], others[1])
+
+
+# torch's reference models under FSDPInitMode.RECURSIVE: TransformerWithSharedParams and
+# AlwaysWrapNestedWrappedModule wrap the root; NestedWrappedModule, NonUniformReqGradNWM,
+# MixtureOfExperts and NestedWrappedModuleWithDelay shard nested units only ("the model may later
+# be wrapped with a top-level FSDP external to this method") and the parity check wraps the root.
+RECURSIVE_MODELS = [
+    NestedWrappedModule,
+    AlwaysWrapNestedWrappedModule,
+    NonUniformReqGradNWM,
+    TransformerWithSharedParams,
+    MixtureOfExperts,
+    NestedWrappedModuleWithDelay,
+]
+ROOT_WRAPPED = {TransformerWithSharedParams, AlwaysWrapNestedWrappedModule}
+
+
+def _unit_paths(model: nn.Module, is_unit: Any) -> list[str]:
+    return [clean_param_name(f"{n}.").rstrip(".") for n, m in model.named_modules() if is_unit(m)]
+
+
+def _torch_unit_paths(model_class: type, process_group: Any) -> list[str]:
+    """The FSDP1 units of torch's own model of the same name, built under RECURSIVE."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.testing._internal import common_fsdp
+
+    # torch's FSDP1 refuses the CPU unless device_id says so, and MixtureOfExperts builds some
+    # units without the caller's fsdp_kwargs: give every FSDP(...) call in common_fsdp the CPU.
+    on_cpu = functools.partial(FSDP, device_id=CPU)
+    with patched(PatchTarget(common_fsdp, "FSDP"), on_cpu):
+        reference = getattr(common_fsdp, model_class.__name__).init(
+            process_group,
+            common_fsdp.FSDPInitMode.RECURSIVE,
+            common_fsdp.DEVICEInitMode.DEVICE_BEFORE,
+            deterministic=True,
+        )
+    return _unit_paths(reference, lambda m: isinstance(m, FSDP))
+
+
+@pytest.mark.parametrize("model_class", RECURSIVE_MODELS, ids=lambda c: c.__name__)
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")  # torch's transformer
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # MoE's one-rank expert
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_recursive_init_shards_the_units_torch_does_for_every_engine(model_class, process_group):
+    expected = _torch_unit_paths(model_class, process_group)
+    assert ("" in expected) == (model_class in ROOT_WRAPPED)  # torch's root wrapping
+    for name in ENGINE_NAMES:
+        engine = get_engine(name)
+        with use_engine(engine):
+            model = model_class.init(
+                process_group,
+                FSDPInitMode.RECURSIVE,
+                DEVICEInitMode.DEVICE_BEFORE,
+                deterministic=True,
+                device=CPU,
+            )
+        assert _unit_paths(model, engine.is_wrapped) == expected, name
+        assert engine.is_wrapped(model) == (model_class in ROOT_WRAPPED), name
