@@ -1,28 +1,34 @@
 """``fsdp-testing trace``: a few training steps of one configuration as a Perfetto/Chrome trace
 (JSON, open it at ui.perfetto.dev or chrome://tracing) and a PNG timeline, one lane per rank.
 
-Each rank records its step phases (forward, backward, optimizer), every collective with its
-duration (all-gather, reduce-scatter, all-reduce; recorded at ``torch.distributed``, so for every
-engine) and, for fsdp_core, every unshard, reshard and offload copy the engine publishes through
-``fsdp_core.events``.
+Each rank trains under :func:`fsdp_testing.recording.record_fsdp` and writes the recorder's own
+export (:meth:`~fsdp_testing.recording.FSDPRecorder.export_chrome_trace`): every collective with
+its duration, every unshard and reshard of a unit with its reason, post-backwards, sharded
+forwards and (fsdp_core) offload copies, for every engine. The command merges the ranks' traces,
+adds each rank's step phases (forward, backward, optimizer) on a track of their own, and draws
+the PNG from the merged trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from typing import Any
 
 from ._matrix import AXES, Config
 from ._png import Canvas, Color
 
-__all__ = ["add_parser", "build_trace", "draw_timeline", "run"]
+__all__ = ["TraceSteps", "add_parser", "draw_timeline", "merge_traces", "run"]
 
-_TIDS = {"step": 0, "collectives": 1, "unshard/reshard": 2, "offload": 3}
+#: The trace thread of the step phases; the recorder's tracks start at 1.
+_PHASE_TID = 0
+_PHASES = ("forward", "backward", "optimizer")
 _COLORS: dict[str, Color] = {
     "forward": (205, 215, 230),
     "backward": (170, 185, 210),
@@ -30,12 +36,11 @@ _COLORS: dict[str, Color] = {
     "all_gather": (31, 119, 180),
     "reduce_scatter": (255, 127, 14),
     "all_reduce": (148, 103, 189),
-    "broadcast": (140, 86, 75),
-    "all_to_all": (127, 127, 127),
     "unshard": (44, 160, 44),
     "reshard": (214, 39, 40),
     "offload": (23, 190, 207),
 }
+_OTHER_COLLECTIVE: Color = (127, 127, 127)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -86,22 +91,69 @@ def run(args: argparse.Namespace) -> int:
     ranks = _record(config, args.steps, args.world_size, args.timeout)
     if ranks is None:
         return 1
-    trace = build_trace(ranks, config)
+    trace = merge_traces(ranks, config)
     with open(args.json, "w") as f:
         json.dump(trace, f)
     with open(args.png, "wb") as f:
-        f.write(draw_timeline(ranks, config, width=args.width).png())
-    for rank, data in sorted(ranks.items()):
-        kinds: dict[str, int] = {}
-        for call in data["collectives"]:
-            kinds[call["kind"]] = kinds.get(call["kind"], 0) + 1
-        events: dict[str, int] = {}
-        for event in data["events"]:
-            events[event["type"]] = events.get(event["type"], 0) + 1
-        counts = ", ".join(f"{n} {k}" for k, n in sorted({**kinds, **events}.items()))
-        print(f"rank {rank}: {counts or 'no events'}")
+        f.write(draw_timeline(trace, width=args.width).png())
+    for rank, counts in sorted(_counts(trace).items()):
+        listed = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        print(f"rank {rank}: {listed or 'no events'}")
     print(f"wrote {args.json} ({len(trace['traceEvents'])} events) and {args.png}")
     return 0
+
+
+@dataclasses.dataclass
+class TraceSteps:
+    """A few training steps of one configuration under the recorder, run on every rank.
+
+    Each rank writes ``rank{N}.json`` (the recorder's Chrome trace of its records) and
+    ``rank{N}.phases.json`` (its step phases, ``[step, name, begin_us, end_us]`` on the
+    recorder's clock).
+
+    Args:
+        config: the configuration (one value per axis).
+        steps: training steps.
+        out_dir: where each rank writes its files.
+    """
+
+    config: Config
+    steps: int
+    out_dir: str
+
+    def run_on_rank(self, ctx: Any) -> None:
+        from fsdp_testing.recording import record_fsdp
+
+        # The same sharded model, reference and optimizer as a ``check`` row.
+        from ._rankwork import _Models
+
+        models = _Models(self.config, ctx)
+        phases: list[list[Any]] = []
+        with record_fsdp(models.sharded, engine=models.engine) as recorder:
+            for step in range(self.steps):
+                if step:
+                    recorder.next_step()
+                phases += self._step(models, step)
+        recorder.export_chrome_trace(os.path.join(self.out_dir, f"rank{ctx.rank}.json"))
+        with open(os.path.join(self.out_dir, f"rank{ctx.rank}.phases.json"), "w") as f:
+            json.dump(phases, f)
+
+    @staticmethod
+    def _step(models: Any, step: int) -> list[list[Any]]:
+        from fsdp_testing.recording import now_us
+
+        test_model, device = models.test_model, models.device
+        t0 = now_us()
+        models.optim.zero_grad(set_to_none=True)
+        inputs = test_model.get_input(device)
+        loss = test_model.get_loss(inputs, models.sharded(*inputs))
+        t1 = now_us()
+        test_model.run_backward(loss)
+        t2 = now_us()
+        models.optim.step()
+        t3 = now_us()
+        bounds = (t0, t1, t2, t3)
+        return [[step, name, bounds[i], bounds[i + 1]] for i, name in enumerate(_PHASES)]
 
 
 def _record(
@@ -111,11 +163,9 @@ def _record(
     from fsdp_testing._task import Task
     from fsdp_testing.launcher import LaunchSettings, run_distributed
 
-    from ._rankwork import TraceCase
-
     out_dir = tempfile.mkdtemp(prefix="fsdp-testing-trace-")
     try:
-        task = Task(TraceCase(config, steps, out_dir), {}, test_id=f"trace {config.label}")
+        task = Task(TraceSteps(config, steps, out_dir), {}, test_id=f"trace {config.label}")
         spec = DistSpec(world_size, backend="gloo", mode=Mode.PROCESS, timeout=timeout)
         verdict = run_distributed(task, spec, LaunchSettings(timeout=timeout))
         if verdict.outcome != "passed":
@@ -124,151 +174,131 @@ def _record(
         ranks = {}
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-                ranks[rank] = json.load(f)
+                trace = json.load(f)
+            with open(os.path.join(out_dir, f"rank{rank}.phases.json")) as f:
+                ranks[rank] = {"events": trace["traceEvents"], "phases": json.load(f)}
         return ranks
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def _origin(ranks: dict[int, dict[str, Any]]) -> int:
-    starts = [p["forward"][0] for data in ranks.values() for p in data["phases"]]
-    starts += [c["start_ns"] for data in ranks.values() for c in data["collectives"]]
-    return min(starts) if starts else 0
+def merge_traces(ranks: dict[int, dict[str, Any]], config: Config | None = None) -> dict[str, Any]:
+    """One Chrome trace from every rank's recorder export and step phases.
 
+    Args:
+        ranks: per rank, ``events`` (the ``traceEvents`` of
+            :meth:`~fsdp_testing.recording.FSDPRecorder.export_chrome_trace`) and ``phases``
+            (``[step, name, begin_us, end_us]`` lists, see :class:`TraceSteps`).
+        config: the configuration, named in the trace's ``otherData`` (default none).
 
-def _event_tid(kind: str) -> int:
-    if kind in ("Unshard", "Reshard"):
-        return _TIDS["unshard/reshard"]
-    if "offload" in kind.lower():
-        return _TIDS["offload"]
-    return _TIDS["unshard/reshard"]
-
-
-def build_trace(ranks: dict[int, dict[str, Any]], config: Config) -> dict[str, Any]:
-    """The Chrome trace-event JSON object: one process per rank, one thread per category."""
-    t0 = _origin(ranks)
-
-    def us(ns: int) -> float:
-        return (ns - t0) / 1000.0
-
+    Returns:
+        the trace: the recorders' events and a "step phases" track per rank, with time 0 at the
+        first event of any rank.
+    """
+    starts = [e["ts"] for data in ranks.values() for e in data["events"] if e["ph"] != "M"]
+    starts += [p[2] for data in ranks.values() for p in data["phases"]]
+    origin = min(starts, default=0.0)
     events: list[dict[str, Any]] = []
     for rank, data in sorted(ranks.items()):
-        events.append(
-            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
-        )
-        for name, tid in _TIDS.items():
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
-            )
-        for phase in data["phases"]:
-            for name in ("forward", "backward", "optimizer"):
-                begin, end = phase[name]
-                events.append(
-                    {
-                        "ph": "X",
-                        "name": name,
-                        "cat": "step",
-                        "pid": rank,
-                        "tid": _TIDS["step"],
-                        "ts": us(begin),
-                        "dur": (end - begin) / 1000.0,
-                        "args": {"step": phase["step"]},
-                    }
-                )
-        for call in data["collectives"]:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": call["op"],
-                    "cat": call["kind"],
-                    "pid": rank,
-                    "tid": _TIDS["collectives"],
-                    "ts": us(call["start_ns"]),
-                    "dur": (call["end_ns"] - call["start_ns"]) / 1000.0,
-                    "args": {"bytes": call["bytes"], "group_size": call["group_size"]},
-                }
-            )
         for event in data["events"]:
-            kind = event["type"]
-            if kind == "Collective":
-                continue  # the same call is on the collectives track, with its duration
-            unit = event.get("unit", "")
-            args = {k: v for k, v in event.items() if k not in ("type", "t_ns", "rank")}
+            events.append(event if event["ph"] == "M" else {**event, "ts": event["ts"] - origin})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": _PHASE_TID,
+             "args": {"name": "step phases"}}
+        )  # fmt: skip
+        for step, name, begin, end in data["phases"]:
             events.append(
-                {
-                    "ph": "i",
-                    "s": "t",
-                    "name": f"{kind.lower()} {unit or '<root>'}",
-                    "cat": kind.lower(),
-                    "pid": rank,
-                    "tid": _event_tid(kind),
-                    "ts": us(event["t_ns"]),
-                    "args": args,
-                }
-            )
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"tool": "fsdp-testing trace", "configuration": config.label},
-    }
+                {"name": name, "cat": "step", "ph": "X", "pid": rank, "tid": _PHASE_TID,
+                 "ts": begin - origin, "dur": max(end - begin, 0.001), "args": {"step": step}}
+            )  # fmt: skip
+    other = {"tool": "fsdp-testing trace"}
+    if config is not None:
+        other["configuration"] = config.label
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def draw_timeline(ranks: dict[int, dict[str, Any]], config: Config, *, width: int = 1400) -> Canvas:
-    """One lane per rank with four rows: step phases, collectives, unshard (green, upper half)
-    and reshard (red, lower half) marks, offload copies."""
-    t0 = _origin(ranks)
-    ends = [p["optimizer"][1] for data in ranks.values() for p in data["phases"]]
-    ends += [c["end_ns"] for data in ranks.values() for c in data["collectives"]]
-    span = max(max(ends, default=t0) - t0, 1)
+def _family(op: str) -> str:
+    from fsdp_testing.patching import COLLECTIVE_FAMILIES
+
+    return next((f for f, names in COLLECTIVE_FAMILIES.items() if op in names), op)
+
+
+def _counts(trace: dict[str, Any]) -> dict[int, Counter[str]]:
+    counts: dict[int, Counter[str]] = {}
+    for event in trace["traceEvents"]:
+        if event["ph"] == "M" or event.get("cat") in ("step", "forward"):
+            continue
+        key = event["args"]["op"] if event["cat"] == "collective" else event["cat"]
+        counts.setdefault(event["pid"], Counter())[key] += 1
+    return counts
+
+
+def draw_timeline(trace: dict[str, Any], *, width: int = 1400) -> Canvas:
+    """One lane per rank (trace process) with four rows: step phases; collectives (all-gather
+    blue, reduce-scatter orange, all-reduce purple, spans); unshard (green, upper half) and
+    reshard (red, lower half); offload copies (cyan).
+
+    Args:
+        trace: a trace from :func:`merge_traces` (or any recorder export).
+        width: image width in pixels (at least 400; default 1400).
+    """
+    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    ranks = sorted({e["pid"] for e in trace["traceEvents"]})
+    t0 = min((e["ts"] for e in events), default=0.0)
+    t1 = max((e["ts"] + e.get("dur", 0.0) for e in events), default=t0)
+    span = max(t1 - t0, 1e-3)
     left, right, row_h, lane_gap, top = 120, 20, 16, 18, 64
     lane_h = 4 * row_h
     height = top + len(ranks) * (lane_h + lane_gap) + 40
     canvas = Canvas(max(width, 400), height)
     plot_w = canvas.width - left - right
 
-    def x(ns: int) -> int:
-        return left + int((ns - t0) * plot_w / span)
+    def x(us: float) -> int:
+        return left + int((us - t0) * plot_w / span)
 
-    canvas.text(8, 8, f"fsdp-testing trace: {config.label}")
+    title = trace.get("otherData", {}).get("configuration", "")
+    canvas.text(8, 8, f"fsdp-testing trace: {title}")
     legend_x = 8
-    for name in ("forward", "backward", "optimizer", "all_gather", "reduce_scatter",
-                 "all_reduce", "unshard", "reshard", "offload"):  # fmt: skip
+    for name in _COLORS:
         canvas.rect(legend_x, 34, legend_x + 14, 46, _COLORS[name])
         legend_x = canvas.text(legend_x + 18, 35, name) + 14
-    for index, (rank, data) in enumerate(sorted(ranks.items())):
-        y = top + index * (lane_h + lane_gap)
+    lanes = {rank: top + index * (lane_h + lane_gap) for index, rank in enumerate(ranks)}
+    for rank, y in lanes.items():
         canvas.rect(left, y, left + plot_w, y + lane_h, (246, 246, 246))
         canvas.text(8, y + 2, f"rank {rank}")
         for row, label in enumerate(("step", "comm", "unit", "offload")):
             canvas.text(8 + 8, y + row * row_h + 3, label, (90, 90, 90), scale=1)
-        for phase in data["phases"]:
-            for name in ("forward", "backward", "optimizer"):
-                begin, end = phase[name]
-                canvas.rect(
-                    x(begin), y + 1, max(x(end), x(begin) + 1), y + row_h - 1, _COLORS[name]
-                )
-        for call in data["collectives"]:
-            color = _COLORS.get(call["kind"], (0, 0, 0))
-            x0 = x(call["start_ns"])
-            canvas.rect(x0, y + row_h + 1, max(x(call["end_ns"]), x0 + 1), y + 2 * row_h - 1, color)
-        for event in data["events"]:
-            kind = event["type"]
-            x0 = x(event["t_ns"])
-            if kind == "Unshard":
-                canvas.rect(
-                    x0, y + 2 * row_h + 1, x0 + 2, y + 2 * row_h + row_h // 2, _COLORS["unshard"]
-                )
-            elif kind == "Reshard":
-                canvas.rect(
-                    x0, y + 2 * row_h + row_h // 2, x0 + 2, y + 3 * row_h - 1, _COLORS["reshard"]
-                )
-            elif "offload" in kind.lower():
-                canvas.rect(x0, y + 3 * row_h + 1, x0 + 2, y + 4 * row_h - 1, _COLORS["offload"])
+    for event in events:
+        placed = _placement(event, row_h)
+        if placed is None:
+            continue
+        color, y0, y1 = placed
+        x0 = x(event["ts"])
+        x1 = x(event["ts"] + event["dur"]) if "dur" in event else x0 + 2
+        y = lanes[event["pid"]]
+        canvas.rect(x0, y + y0, max(x1, x0 + 2), y + y1, color)
     axis_y = top + len(ranks) * (lane_h + lane_gap)
     canvas.rect(left, axis_y, left + plot_w, axis_y + 1, (0, 0, 0))
     ticks = 5
     for i in range(ticks + 1):
         tx = left + i * plot_w // ticks
         canvas.rect(tx, axis_y, tx + 1, axis_y + 6, (0, 0, 0))
-        canvas.text(max(0, tx - 20), axis_y + 10, f"{span * i / ticks / 1e6:.1f} ms", scale=1)
+        canvas.text(max(0, tx - 20), axis_y + 10, f"{span * i / ticks / 1e3:.1f} ms", scale=1)
     return canvas
+
+
+def _placement(event: dict[str, Any], row_h: int) -> tuple[Color, int, int] | None:
+    """The color and the rows (pixel offsets in a lane) of one trace event, or None."""
+    category = event.get("cat")
+    if category == "step":
+        return _COLORS.get(event["name"], _OTHER_COLLECTIVE), 1, row_h - 1
+    if category == "collective":
+        color = _COLORS.get(_family(event["args"]["op"]), _OTHER_COLLECTIVE)
+        return color, row_h + 1, 2 * row_h - 1
+    if category == "unshard":
+        return _COLORS["unshard"], 2 * row_h + 1, 2 * row_h + row_h // 2
+    if category == "reshard":
+        return _COLORS["reshard"], 2 * row_h + row_h // 2, 3 * row_h - 1
+    if category == "offload":
+        return _COLORS["offload"], 3 * row_h + 1, 4 * row_h - 1
+    return None

@@ -32,6 +32,7 @@ from ._records import (
     Record,
     ReshardRecord,
     UnshardRecord,
+    now_us,
 )
 from ._trace import chrome_trace
 
@@ -45,5 +46,6 @@ __all__ = [
     "ReshardRecord",
     "UnshardRecord",
     "chrome_trace",
+    "now_us",
     "record_fsdp",
 ]
