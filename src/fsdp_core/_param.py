@@ -24,6 +24,10 @@ the compute device; see [Note: CPU offload] in ``_unit``.
 
 Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
 (module, attribute) slot that referred to the original, which also covers tied parameters.
+
+``sharded.requires_grad`` is the source of truth for whether the parameter trains: it is what
+users see (and freeze) between passes, and ``unsharded`` copies it on every switch to the
+unsharded form. See [Note: requires_grad changes after wrapping] in ``_unit``.
 """
 
 from __future__ import annotations
@@ -72,7 +76,6 @@ class ShardedParam:
         start = shard_rank * self.chunk_rows
         self.start_row = start
         self.valid_rows = max(0, min(self.chunk_rows, self.rows - start))
-        self.requires_grad = orig.requires_grad
 
         self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)  # zero padded
         with torch.no_grad():
@@ -160,7 +163,18 @@ class ShardedParam:
             grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
         return grad
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains now (the sharded parameter's flag)."""
+        return self.sharded.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        """Give ``unsharded`` the sharded parameter's ``requires_grad``."""
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
+
     def use_unsharded(self) -> None:
+        self.sync_requires_grad()
         for module, name in self.slots:
             module._parameters[name] = self.unsharded
 

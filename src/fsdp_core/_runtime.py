@@ -8,8 +8,9 @@ backward is driven by autograd hooks the state registers itself:
 
 - pre-backward: a hook on each forward output that requires grad unshards the unit when the
   gradient reaches it (and prefetches under ``BACKWARD_PRE``);
-- post-backward: a post-accumulate-grad hook on each unsharded parameter; once every parameter
-  of the unit has its gradient, the unit reduces (and prefetches under ``BACKWARD_POST``);
+- post-backward: a post-accumulate-grad hook on each unsharded parameter that requires grad
+  (registered at the first forward in which it does); once every parameter the unit waits for
+  has its gradient, the unit reduces (and prefetches under ``BACKWARD_POST``);
 - a final callback, queued by the root on the first pre-backward, reduces what is left (units
   with unused parameters), reshards every unit, and checks that all of them are idle.
 
@@ -31,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from . import events
 from ._exec_order import ExecOrder
+from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
@@ -144,12 +146,12 @@ class FSDPState:
         self.graph_index: int | None = None
         self.all_states: list[FSDPState] = []  # root only: the cached traversal
         self._ran_pre_backward = False
+        # Whether the last forward's outputs carry a pre-backward hook (some output requires
+        # grad); a unit without one never runs backward, so backward prefetch skips it.
+        self._expects_backward = False
         self._final_callback_queued = False  # root only
-        if unit is not None:
-            for index, param in enumerate(unit.grad_params):
-                param.unsharded.register_post_accumulate_grad_hook(
-                    self._make_grad_ready_hook(index)
-                )
+        self._hooked_params: set[ShardedParam] = set()  # with a post-accumulate-grad hook
+        self._register_post_backward_hooks()
 
     @property
     def _rank(self) -> int:
@@ -237,6 +239,10 @@ class FSDPState:
                 self.streams.begin_iteration()
         self._assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.FORWARD
+        if self.unit is not None:
+            # See [Note: requires_grad changes after wrapping] in _unit.
+            self.unit.update_grad_params()
+            self._register_post_backward_hooks()
         order.record_pre_forward(self)
         self._unshard("forward")
         if self.config.forward_prefetch:
@@ -283,9 +289,11 @@ class FSDPState:
     # ------------------------------------------------------------------ backward
     def _register_pre_backward_hooks(self, output: Any) -> None:
         self._ran_pre_backward = False
+        self._expects_backward = False
         for leaf in pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self._pre_backward_hook)
+                self._expects_backward = True
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         if self._ran_pre_backward:
@@ -301,9 +309,24 @@ class FSDPState:
         if self.unit is not None:
             self.unit.wait_for_unshard()
 
-    def _make_grad_ready_hook(self, index: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            if self.unit is not None and self.unit.mark_grad_ready(index):
+    def _register_post_backward_hooks(self) -> None:
+        """Hook every trainable unsharded parameter that has no hook yet.
+
+        A hook stays registered when its parameter is frozen (it just stops firing), and can
+        only be registered on a tensor that requires grad: hence lazily, at each forward.
+        """
+        if self.unit is None:
+            return
+        for param in self.unit.grad_params:
+            if param not in self._hooked_params:
+                param.unsharded.register_post_accumulate_grad_hook(
+                    self._make_grad_ready_hook(param)
+                )
+                self._hooked_params.add(param)
+
+    def _make_grad_ready_hook(self, param: ShardedParam) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            if self.unit is not None and self.unit.mark_grad_ready(param):
                 self._post_backward()
 
         return hook
@@ -340,6 +363,7 @@ class FSDPState:
                 unit.reset_backward()
             state.training_state = TrainingState.IDLE
             state._ran_pre_backward = False
+            state._expects_backward = False
         if self.streams is not None:
             offload = any(s.unit is not None and s.unit.offload_params for s in self.all_states)
             self.streams.end_backward(offload=offload)
@@ -371,9 +395,13 @@ class FSDPState:
         """Unshard ``target`` early; see ``limit_all_gathers`` in the wrapper's docstring."""
         if target is None or target.unit is None or target.unit.is_unsharded:
             return
-        if reason == "backward_prefetch" and target.training_state is not TrainingState.IDLE:
+        if reason == "backward_prefetch" and (
+            target.training_state is not TrainingState.IDLE or not target._expects_backward
+        ):
             # Its backward already started (e.g. a root that owns both the first and the last
-            # layer reduces only at the end): gathering it again would be wasted.
+            # layer reduces only at the end), or will not run (no output of its forward
+            # requires grad, e.g. frozen layers before any trainable one): gathering it again
+            # would be wasted.
             return
         if self.config.limit_all_gathers:
             root = self._root()

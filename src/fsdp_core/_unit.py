@@ -23,6 +23,18 @@ available. The unit computes on ``compute_device`` (the parameters' device at wr
 ``device_id``): each unshard copies the flat shard there first, each reduction copies the
 reduced gradient shard back. The copies are made even when the compute device is the CPU, so a
 CPU-only run exercises (and publishes, as ``events.OffloadCopy``) the same steps.
+
+[Note: requires_grad changes after wrapping]
+Users freeze or unfreeze parameters after wrapping through the sharded parameters, which the
+module exposes between passes (``named_parameters()``, ``requires_grad_``), so the unit treats
+``sharded.requires_grad`` as the truth and never fixes it at construction. Every unshard gives
+each unsharded parameter that flag (autograd then computes gradients for exactly the trainable
+parameters), and at each forward the runtime calls :meth:`FSDPUnit.update_grad_params`, which
+recomputes the parameters whose gradients ``post_backward`` waits for and the layout of the
+reduce buffer. The buffer holds only trainable parameters, so the unit still reduces with one
+collective, frozen parameters add no bytes to it and get no gradient. The buffer's size
+depends on which parameters train: every rank must freeze the same ones (as with DDP). A
+parameter frozen while it holds a gradient kept unreduced by ``no_sync`` loses that gradient.
 """
 
 from __future__ import annotations
@@ -127,15 +139,13 @@ class FSDPUnit:
             )
             offset += numel
         self._aliased = alias
-        # Offsets of the gradient-requiring parameters in the reduce buffer.
-        self._grad_params = [p for p in self.params if p.requires_grad]
+        # The trainable parameters and their offsets in the reduce buffer; see
+        # [Note: requires_grad changes after wrapping].
+        self._grad_params: list[ShardedParam] = []
         self._grad_offsets: list[int] = []
-        offset = 0
-        for p in self._grad_params:
-            self._grad_offsets.append(offset)
-            offset += p.shard_numel
-        self._grad_numel = offset
-        self._grads_ready: set[int] = set()
+        self._grad_numel = 0
+        self._grads_ready: set[ShardedParam] = set()
+        self.update_grad_params()
         # All-gather output waiting for its copy-out (CUDA: until ``wait_for_unshard``).
         self._gathered: torch.Tensor | None = None  # 1D, shard_world * flat shard numel
         self._gathered_event: torch.cuda.Event | None = None
@@ -403,13 +413,34 @@ class FSDPUnit:
     # ------------------------------------------------------------------ backward bookkeeping
     @property
     def grad_params(self) -> list[ShardedParam]:
-        """Parameters that require gradients, in registration order."""
+        """Parameters that required gradients at the last forward, in registration order."""
         return self._grad_params
 
-    def mark_grad_ready(self, index: int) -> bool:
-        """Note that ``grad_params[index]`` got its gradient; True once all of them have."""
-        self._grads_ready.add(index)
-        return len(self._grads_ready) == len(self._grad_params)
+    def update_grad_params(self) -> None:
+        """Follow ``requires_grad`` changes made since the last forward.
+
+        See [Note: requires_grad changes after wrapping].
+        """
+        for p in self.params:
+            p.sync_requires_grad()
+        trainable = [p for p in self.params if p.requires_grad]
+        if trainable == self._grad_params:
+            return
+        for p in self.params:
+            if not p.requires_grad:
+                p.unsharded.grad = None  # frozen while holding a no_sync gradient
+        self._grad_params = trainable
+        self._grad_offsets = []
+        offset = 0
+        for p in trainable:
+            self._grad_offsets.append(offset)
+            offset += p.shard_numel
+        self._grad_numel = offset
+
+    def mark_grad_ready(self, param: ShardedParam) -> bool:
+        """Note that ``param`` got its gradient; True once every one in ``grad_params`` has."""
+        self._grads_ready.add(param)
+        return self._grads_ready.issuperset(self._grad_params)
 
     def has_pending_grads(self) -> bool:
         """Whether some gradient of this backward has not been reduced yet."""
