@@ -197,16 +197,28 @@ class _TrainingLoop:
         return loss.detach()
 
     def _validate_loss_dtype(self, loss: torch.Tensor) -> None:
+        """The loss dtype says whether the precision under test took effect.
+
+        As torch's ``_train_for_several_steps``: fp16 with ``use_pure_fp16``; ``param_dtype``
+        for a sharded model with mixed precision; float32 otherwise. A model under autocast
+        (the mixed precision reference) may also end in the autocast dtype: which ops autocast
+        keeps in float32 depends on the device (CUDA sums in float32, the CPU in bf16), so
+        torch's "the DDP AMP loss is fp32" holds on CUDA only.
+        """
+        expected: tuple[torch.dtype | None, ...]
         if self.use_pure_fp16:
-            expected = torch.float16
+            expected = (torch.float16,)
         elif self.mixed_precision is not None and self.sharded:
-            expected = self.mixed_precision.param_dtype
+            expected = (self.mixed_precision.param_dtype,)
+        elif self.autocast:
+            expected = (torch.float32, self._autocast_dtype())
         else:
-            expected = torch.float32
-        if expected is not None and loss.dtype != expected:
+            expected = (torch.float32,)
+        if None not in expected and loss.dtype not in expected:
             raise _fail(
-                f"loss dtype is {loss.dtype}, expected {expected} "
-                f"(mixed_precision={self.mixed_precision}, use_pure_fp16={self.use_pure_fp16})"
+                f"loss dtype is {loss.dtype}, expected {' or '.join(map(str, expected))} "
+                f"(mixed_precision={self.mixed_precision}, use_pure_fp16={self.use_pure_fp16}, "
+                f"autocast={self.autocast})"
             )
 
     def _save_zero_load(self) -> None:
@@ -291,7 +303,10 @@ def _step_divergences(
     engine: FSDPEngine,
     compare_params: bool,
 ) -> list[Divergence]:
-    found = compare_named([("loss", ref_loss.float())], [("loss", loss.float())])
+    # Each loss in its own dtype: the tolerance is the lower precision's (as torch's
+    # ``assert_close(ref_loss, fsdp_loss, check_dtype=False)``), e.g. bf16's under mixed
+    # precision, float32's otherwise.
+    found = compare_named([("loss", ref_loss)], [("loss", loss)])
     if compare_params:
         found += compare_named(_named_full_params(ref_model), _named_full_params(model, engine))
     return found
