@@ -89,7 +89,9 @@ class TransformerWithSharedParams(FSDPTestModel):
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
         source = self.embed_tokens(src_ids)
-        source = source + self.vocab_bias + self.long_buffer.to(source.dtype)
+        # Buffers in the activations' dtype: under parameter-only mixed precision the float32
+        # ``vocab_bias`` would otherwise promote ``source`` to float32 ahead of bf16 layers.
+        source = source + self.vocab_bias.to(source.dtype) + self.long_buffer.to(source.dtype)
         target = self.bn(self.embed_tokens(tgt_ids))
         hidden = self.transformer(source, target)
         return self.output_proj(hidden)
@@ -138,11 +140,36 @@ class TransformerWithSharedParams(FSDPTestModel):
             return model
         engine = current_engine()
         kwargs = dict(fsdp_kwargs or {})
-        if kwargs.get("auto_wrap_policy") is None:
-            layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
-            kwargs["auto_wrap_policy"] = engine.module_wrap_policy(layers)
         strategy = getattr(kwargs.get("sharding_strategy"), "name", None)
         # Hybrid sharding with a single group lets the engine build the 2D groups itself.
         wrap_group = None if strategy in _HYBRID and not isinstance(group, tuple) else group
+        if _keeps_batch_norm_in_full_precision(engine, model, kwargs):
+            model.bn = engine.wrap(model.bn, wrap_group, **{**kwargs, "mixed_precision": None})
+        if kwargs.get("auto_wrap_policy") is None:
+            layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+            kwargs["auto_wrap_policy"] = engine.module_wrap_policy(layers)
         sharded = engine.wrap(model, wrap_group, **kwargs)
         return finish_placement(sharded, placement, resolve_device(device), True)
+
+
+def _keeps_batch_norm_in_full_precision(
+    engine: Any, model: TransformerWithSharedParams, kwargs: Mapping[str, Any]
+) -> bool:
+    """Whether ``init`` must make the batch norm its own unit without mixed precision.
+
+    Parameter mixed precision casts a batch norm's affine parameters but not its float32
+    running statistics (buffers are cast only with ``buffer_dtype``), and ``batch_norm``
+    rejects bf16 weights with float32 statistics. torch's FSDP1 therefore wraps batch norms
+    separately with mixed precision off (``MixedPrecision._module_classes_to_ignore``); this
+    does the same for the engines that do not (fsdp_core, FSDP2), so the model runs under every
+    engine's mixed precision with the same numerics.
+    """
+    from ..engines.torch_fsdp1 import TorchFSDP1Engine
+
+    policy = kwargs.get("mixed_precision")
+    return (
+        getattr(policy, "param_dtype", None) is not None
+        and getattr(policy, "buffer_dtype", None) is None
+        and isinstance(model.bn, nn.modules.batchnorm._BatchNorm)
+        and not isinstance(engine, TorchFSDP1Engine)
+    )
