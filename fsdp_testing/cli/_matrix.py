@@ -34,20 +34,18 @@ AXES: dict[str, tuple[str, ...]] = {
     "strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
     "prefetch": ("none", "BACKWARD_PRE", "BACKWARD_POST"),
     "offload": ("off", "on"),
-    "mp": ("off", "bf16", "fp16"),
+    "mp": ("off", "bf16", "fp16", "bf16/fp32", "fp16/fp32"),
     "engine": ("fsdp_core", "torch_fsdp1", "torch_fsdp2"),
 }
 
-#: The default matrix (72 rows, under a minute on two CPU cores). Mixed precision is left out:
-#: the transformer model fails under it with every engine (a float32 buffer meets bf16 layers),
-#: select it with ``--mp bf16``. ``nonuniform`` is left out while fsdp_core trains parameters
-#: frozen after wrapping (``--model nonuniform`` shows the mismatch; see docs/cli.md).
+#: The default matrix (180 rows, about a minute on two CPU cores): every model, strategy,
+#: prefetch mode and offload setting, in full precision and in bf16 with fp32 reduction.
 DEFAULTS: dict[str, tuple[str, ...]] = {
-    "model": ("nested", "always_wrap", "transformer", "moe"),
+    "model": ("nested", "always_wrap", "transformer", "nonuniform", "moe"),
     "strategy": AXES["strategy"],
     "prefetch": AXES["prefetch"],
     "offload": ("off", "on"),
-    "mp": ("off",),
+    "mp": ("off", "bf16/fp32"),
     "engine": ("fsdp_core",),
 }
 
@@ -61,7 +59,8 @@ class Config:
         strategy: a ``ShardingStrategy`` member name.
         prefetch: a ``BackwardPrefetch`` member name or ``"none"``.
         offload: ``"on"`` offloads parameters to the CPU (``CPUOffload(offload_params=True)``).
-        mp: ``"off"``, or the parameter dtype of a ``MixedPrecision`` policy.
+        mp: ``"off"``, or the dtypes of a ``MixedPrecision`` policy: ``"bf16"`` computes and
+            reduces in bf16, ``"bf16/fp32"`` computes in bf16 and reduces in fp32.
         engine: a registered engine name, or ``module:attribute`` naming an engine object or
             class (for engines outside the registry, e.g. a deliberately broken one in a test).
     """

@@ -34,6 +34,20 @@ __all__ = ["CheckCase", "TraceCase", "resolve_engine"]
 
 _LR = 0.01
 
+# [Note: mixed precision rows]
+# The reference runs under autocast in the low dtype, the sharded model under its mixed
+# precision policy (as torch's _test_fsdp_parity); parameters are not compared. Autocast keeps
+# some ops in float32 (softmax, layer norm, losses) and float32 parameters in compute, the
+# policy computes everything in the low dtype, so the two are different computations. At step 1
+# both start from the same parameters and the losses agree to the low dtype's resolution
+# (torch.testing's default tolerance for it). From step 2 on the models also carry updates made
+# from gradients computed in different precisions, and the losses drift apart by more than a
+# few ulps: the transformer by up to 2.5% (bf16) and 1.1% (fp16) at 3 steps, the same to the
+# bit with fsdp_core, FSDP1 and FSDP2, so it is precision, not sharding. Later steps allow the
+# relative drift below (those maxima with margin); a gradient that is not averaged moves the
+# loss by far more (tests/cli), and the mp=off rows check exact parity.
+_LOW_PRECISION_DRIFT = {"torch.bfloat16": 5e-2, "torch.float16": 2.5e-2}
+
 
 def resolve_engine(name: str) -> Any:
     """A registered engine, or the object (instantiated if a class) that ``module:attr``
@@ -65,8 +79,12 @@ def _options(config: Config) -> dict[str, Any]:
     if config.offload == "on":
         options["cpu_offload"] = CPUOffload(offload_params=True)
     if config.mp != "off":
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.mp]
-        options["mixed_precision"] = MixedPrecision(param_dtype=dtype)
+        # "bf16": compute and reduce in bf16; "bf16/fp32": compute in bf16, reduce in fp32.
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        param, _, reduce = config.mp.partition("/")
+        options["mixed_precision"] = MixedPrecision(
+            param_dtype=dtypes[param], reduce_dtype=dtypes[reduce] if reduce else None
+        )
     return options
 
 
@@ -183,6 +201,25 @@ def _core_full_params(model: Any) -> list[tuple[str, Any]] | None:
     return [(n, found[n]) for n, _ in model.named_parameters() if n in found]
 
 
+def _low_precision_loss_divergence(ref_loss: Any, loss: Any, dtype: Any, step: int) -> Any:
+    """A divergence of the sharded loss from the autocast reference's, or None.
+
+    See [Note: mixed precision rows].
+    """
+    import torch
+
+    from fsdp_testing._compare import Divergence, tensor_divergence
+
+    expected = ref_loss.to(dtype)
+    if step == 1:
+        return tensor_divergence("loss", expected, loss)
+    rtol = _LOW_PRECISION_DRIFT[str(dtype)]
+    if torch.isclose(loss.double(), expected.double(), rtol=rtol, atol=0.0).all():
+        return None
+    worst = float((loss.double() - expected.double()).abs().max())
+    return Divergence("loss", worst, f"more than {rtol:.1%} relative from step 2 on")
+
+
 def _max_abs_diff(pairs: list[tuple[str, Any, Any]]) -> float:
     import torch
 
@@ -225,7 +262,7 @@ class CheckCase:
         _write(self.out_dir, ctx.rank, result)
 
     def _train(self, ctx: Any) -> dict[str, Any]:
-        from fsdp_testing._compare import align_named, compare_named, tensor_divergence
+        from fsdp_testing._compare import align_named, compare_named
 
         models = _Models(self.config, ctx)
         low_precision = models.mp_dtype is not None
@@ -247,9 +284,8 @@ class CheckCase:
                 comm.append(log.totals())
             loss_diff = max(loss_diff, abs(float(loss) - float(ref_loss)))
             if low_precision:
-                # The reference runs under autocast and the sharded model under its own policy:
-                # losses agree to the low dtype's resolution, parameters are not compared.
-                bad = tensor_divergence("loss", ref_loss.to(models.mp_dtype), loss)
+                # See [Note: mixed precision rows].
+                bad = _low_precision_loss_divergence(ref_loss, loss, models.mp_dtype, step)
                 if bad is not None and not failures:
                     failures.append(f"step {step}: {bad}")
                 continue
