@@ -30,7 +30,7 @@ from ._measure import (
     theoretical_volume,
 )
 
-__all__ = ["CheckCase", "TraceCase", "resolve_engine"]
+__all__ = ["CheckCase", "TrainingSetup", "resolve_engine"]
 
 _LR = 0.01
 
@@ -88,7 +88,7 @@ def _options(config: Config) -> dict[str, Any]:
     return options
 
 
-class _Models:
+class TrainingSetup:
     """The sharded model, its reference and their optimizers for one row."""
 
     def __init__(self, config: Config, ctx: Any) -> None:
@@ -264,7 +264,7 @@ class CheckCase:
     def _train(self, ctx: Any) -> dict[str, Any]:
         from fsdp_testing._compare import align_named, compare_named
 
-        models = _Models(self.config, ctx)
+        models = TrainingSetup(self.config, ctx)
         low_precision = models.mp_dtype is not None
         log = CollectiveLog()
         loss_diff = param_diff = 0.0
@@ -313,73 +313,3 @@ def _write(out_dir: str, rank: int, data: dict[str, Any]) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(data, f)
     os.replace(path + ".tmp", path)
-
-
-@dataclasses.dataclass
-class TraceCase:
-    """A few training steps of one configuration, recorded for ``fsdp-testing trace``.
-
-    Each rank writes its events (times in ns on the machine-wide monotonic clock): step phases,
-    every collective with its duration, and, for fsdp_core, every unshard, reshard and offload
-    copy the engine published.
-    """
-
-    config: Config
-    steps: int
-    out_dir: str
-
-    def run_on_rank(self, ctx: Any) -> None:
-        models = _Models(self.config, ctx)
-        log = CollectiveLog()
-        engine_events: list[dict[str, Any]] = []
-        phases: list[dict[str, Any]] = []
-        subscription = _subscribe_core_events(engine_events)
-        try:
-            with log.watching():
-                for step in range(1, self.steps + 1):
-                    phases.append(self._step(models, step))
-        finally:
-            if subscription is not None:
-                subscription.remove()
-        _write(
-            self.out_dir,
-            ctx.rank,
-            {
-                "rank": ctx.rank,
-                "phases": phases,
-                "collectives": [dataclasses.asdict(c) for c in log.calls],
-                "events": engine_events,
-            },
-        )
-
-    @staticmethod
-    def _step(models: _Models, step: int) -> dict[str, Any]:
-        test_model, device = models.test_model, models.device
-        t0 = time.perf_counter_ns()
-        models.optim.zero_grad(set_to_none=True)
-        inputs = test_model.get_input(device)
-        loss = test_model.get_loss(inputs, models.sharded(*inputs))
-        t1 = time.perf_counter_ns()
-        test_model.run_backward(loss)
-        t2 = time.perf_counter_ns()
-        models.optim.step()
-        t3 = time.perf_counter_ns()
-        return {"step": step, "forward": [t0, t1], "backward": [t1, t2], "optimizer": [t2, t3]}
-
-
-def _subscribe_core_events(sink: list[dict[str, Any]]) -> Any:
-    try:
-        from fsdp_core import events
-    except ImportError:
-        return None
-
-    def record(event: Any) -> None:
-        fields = (
-            dataclasses.asdict(event)
-            if dataclasses.is_dataclass(event) and not isinstance(event, type)
-            else {}
-        )
-        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
-        sink.append({"type": type(event).__name__, "t_ns": time.perf_counter_ns(), **fields})
-
-    return events.subscribe(record)

@@ -125,9 +125,9 @@ class TraceSteps:
         from fsdp_testing.recording import record_fsdp
 
         # The same sharded model, reference and optimizer as a ``check`` row.
-        from ._rankwork import _Models
+        from ._rankwork import TrainingSetup
 
-        models = _Models(self.config, ctx)
+        models = TrainingSetup(self.config, ctx)
         phases: list[list[Any]] = []
         with record_fsdp(models.sharded, engine=models.engine) as recorder:
             for step in range(self.steps):
