@@ -265,15 +265,22 @@ def dist_backend(request: pytest.FixtureRequest) -> str:
     return resolve_backend(spec, request.config.stash[_settings_key].backend)
 
 
-def _build_task(item: pytest.Function, spec: DistSpec) -> Task:
-    argnames = item._fixtureinfo.argnames
-    kwargs = {name: item.funcargs[name] for name in argnames}
+def _local_task(item: pytest.Function) -> Task:
+    """The test as a task for ranks in this process: the function itself, with the fixtures
+    whose value differs per rank (rank, process group, device) left for the rank to fill in."""
+    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     for name in RANK_FIXTURES:
         if name in kwargs and name not in ("world_size", "dist_backend"):
             kwargs[name] = RankFixture(name)
     tbstyle = str(item.config.getoption("tbstyle", "auto"))
+    return Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
+
+
+def _build_task(item: pytest.Function, spec: DistSpec) -> Task:
+    task = _local_task(item)
     if spec.mode is not Mode.PROCESS:
-        return Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
+        return task
+    kwargs, tbstyle = task.kwargs, task.tbstyle
     func = getattr(item.obj, "__func__", item.obj)
     if "<locals>" in func.__qualname__:
         raise TypeError(
@@ -310,14 +317,7 @@ def _run_in_place(item: pytest.Function, spec: DistSpec) -> Any:
     if job is None:
         job = InPlaceJob(resolve_backend(spec, settings.backend), timeout)
         item.config.stash[_job_key] = job
-    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
-    for name in ("rank", "process_group", "device"):
-        if name in kwargs:
-            kwargs[name] = RankFixture(name)
-    tbstyle = str(item.config.getoption("tbstyle", "auto"))
-    return job.run(
-        Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle), timeout
-    )
+    return job.run(_local_task(item), timeout)
 
 
 @pytest.hookimpl(tryfirst=True)
