@@ -10,6 +10,7 @@ child. Bind extra arguments with ``functools.partial``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -141,7 +142,15 @@ def _wrap_children(
 
 
 # ---------------------------------------------------------------------- manual wrapping
-_wrap_config: list[tuple[Callable[..., nn.Module], dict[str, Any]]] = []
+class _WrapConfig(threading.local):
+    """The ``enable_wrap`` stack, one per thread: thread ranks (torch's threaded process group)
+    each enter ``enable_wrap`` with their own process group at the same time."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[Callable[..., nn.Module], dict[str, Any]]] = []
+
+
+_wrap_config = _WrapConfig()
 
 
 @contextlib.contextmanager
@@ -152,11 +161,11 @@ def enable_wrap(*, wrapper_cls: Callable[..., nn.Module], **wrapper_kwargs: Any)
         wrapper_cls: usually ``FullyShardedDataParallel``.
         **wrapper_kwargs: constructor arguments shared by every ``wrap`` call.
     """
-    _wrap_config.append((wrapper_cls, dict(wrapper_kwargs)))
+    _wrap_config.stack.append((wrapper_cls, dict(wrapper_kwargs)))
     try:
         yield
     finally:
-        _wrap_config.pop()
+        _wrap_config.stack.pop()
 
 
 def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
@@ -166,7 +175,7 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
         module: the module to turn into an FSDP unit.
         **overrides: constructor arguments that replace those given to ``enable_wrap``.
     """
-    if not _wrap_config:
+    if not _wrap_config.stack:
         return module
-    wrapper_cls, kwargs = _wrap_config[-1]
+    wrapper_cls, kwargs = _wrap_config.stack[-1]
     return wrapper_cls(module, **{**kwargs, **overrides})

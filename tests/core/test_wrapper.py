@@ -243,3 +243,26 @@ def test_events_subscribe_and_remove():
     assert seen == [event] and not events.has_subscribers()
     with pytest.raises(TypeError, match="takes a callable"):
         events.subscribe("not callable")  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_enable_wrap_is_per_thread_rank(rank, process_group):
+    """Thread ranks inside ``enable_wrap`` at the same time each wrap with their own arguments.
+
+    Both ranks enter before either wraps, so a context shared between threads would hand one
+    rank the other's process group (the failure this pins down).
+    """
+    import torch.distributed as dist
+
+    from fsdp_core.wrap import enable_wrap, wrap
+
+    def record(module: nn.Module, **kwargs: object) -> nn.Module:
+        module.wrapped_with = kwargs  # type: ignore[assignment]
+        return module
+
+    with enable_wrap(wrapper_cls=record, process_group=process_group, tag=rank):
+        dist.barrier(process_group)
+        inner = wrap(nn.Linear(2, 2))
+        dist.barrier(process_group)
+    assert inner.wrapped_with == {"process_group": process_group, "tag": rank}
+    assert wrap(nn.Linear(2, 2)).__dict__.get("wrapped_with") is None
