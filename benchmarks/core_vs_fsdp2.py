@@ -1,16 +1,26 @@
 """fsdp_core against torch's FSDP2 (``fully_shard``) and DDP on CPU/gloo, measured in one run.
 
 World size 2, a transformer-like model (pre-norm blocks of multi-head attention and a 4x MLP).
-Each engine runs in freshly forked rank processes (one thread each) so that peak memory is its
-own: per engine and rank, the median step time after warm-up, the peak resident set size (RSS
-high-water mark, reset just before the model is built), and the collectives and bytes of one
-step against the theoretical volume (see [Note: theoretical volume] in
-``fsdp_testing/cli/_measure.py``). Wrapping is the same for both sharded engines: every block is
-a unit and the root owns the rest; FULL_SHARD with backward prefetch of one unit; the root keeps
-its parameters from forward to backward (FSDP2: ``reshard_after_forward=False`` on the root,
-which is what fsdp_core and FSDP1 do for the root).
+Two phases, both in this run:
+
+- isolated: each engine runs in freshly forked rank processes (one thread each) so that peak
+  memory is its own: per engine and rank, the median step time after warm-up, the peak resident
+  set size (RSS high-water mark, reset just before the model is built), and the collectives and
+  bytes of one step against the theoretical volume (see [Note: theoretical volume] in
+  ``fsdp_testing/cli/_measure.py``);
+- interleaved: one pair of rank processes builds every engine's copy of the model and steps them
+  in turn (round r starts with engine r mod 3), so that the machine's speed drift, which on a
+  shared machine is larger than the engines' difference, hits every engine alike. The step-time
+  verdict comes from this phase: per round, fsdp_core's time over FSDP2's (the slower rank's),
+  then the median of those paired ratios.
+
+Wrapping is the same for both sharded engines: every block is a unit and the root owns the
+rest; FULL_SHARD with backward prefetch of one unit; the root keeps its parameters from forward
+to backward (FSDP2: ``reshard_after_forward=False`` on the root, which is what fsdp_core and
+FSDP1 do for the root).
 
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
+       [--rounds 20]
 """
 
 from __future__ import annotations
@@ -151,28 +161,68 @@ def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_
         json.dump(result, f)
 
 
-def _launch(engine: str, args: argparse.Namespace, out_dir: str) -> None:
+def run_rank_interleaved(width: int, blocks: int, rounds: int, warmup: int, out_dir: str) -> None:
+    """Every engine's model in this rank, stepped in turn; writes ``interleaved-rank{N}.json``.
+
+    Each engine gets its own copy of the same initial model and its own optimizer. Warm-up
+    steps run every engine ``warmup`` times first; then each round steps every engine once,
+    starting with a different engine each round.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    steppers = {}
+    for engine in ENGINES:
+        model, block_class = _build(width, blocks)
+        model = _wrap(engine, model, block_class)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        steppers[engine] = (model, optim)
+    batch = torch.randn(4, 64, width, generator=torch.Generator().manual_seed(rank))
+
+    def step(engine: str) -> float:
+        model, optim = steppers[engine]
+        begin = time.perf_counter()
+        optim.zero_grad(set_to_none=True)
+        model(batch).pow(2).mean().backward()
+        optim.step()
+        return time.perf_counter() - begin
+
+    for _ in range(warmup):
+        for engine in ENGINES:
+            step(engine)
+    times: dict[str, list[float]] = {engine: [] for engine in ENGINES}
+    for r in range(rounds):
+        for i in range(len(ENGINES)):
+            engine = ENGINES[(r + i) % len(ENGINES)]
+            times[engine].append(step(engine))
+    with open(os.path.join(out_dir, f"interleaved-rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "times": times}, f)
+
+
+def _launch(function: str, label: str, kwargs: dict[str, Any]) -> None:
     from fsdp_testing._spec import DistSpec, Mode
     from fsdp_testing._task import FunctionRef, Task
     from fsdp_testing.launcher import LaunchSettings, run_distributed
 
-    ref = FunctionRef(module="core_vs_fsdp2", path=os.path.abspath(__file__), qualname="run_rank")
-    task = Task(
-        ref,
-        dict(
-            engine=engine,
-            width=args.width,
-            blocks=args.blocks,
-            steps=args.steps,
-            warmup=args.warmup,
-            out_dir=out_dir,
-        ),
-        test_id=f"benchmark {engine}",
-    )
-    spec = DistSpec(2, backend="gloo", mode=Mode.PROCESS, timeout=600)
-    verdict = run_distributed(task, spec, LaunchSettings(timeout=600), pool=False)
+    ref = FunctionRef(module="core_vs_fsdp2", path=os.path.abspath(__file__), qualname=function)
+    task = Task(ref, kwargs, test_id=f"benchmark {label}")
+    spec = DistSpec(2, backend="gloo", mode=Mode.PROCESS, timeout=1800)
+    verdict = run_distributed(task, spec, LaunchSettings(timeout=1800), pool=False)
     if verdict.outcome != "passed":
-        raise SystemExit(f"{engine}: the ranks {verdict.outcome}\n{verdict.message}")
+        raise SystemExit(f"{label}: the ranks {verdict.outcome}\n{verdict.message}")
+
+
+def paired_ratios(times: list[dict[str, list[float]]], num: str, den: str) -> list[float]:
+    """Per round, ``num``'s step time over ``den``'s, each the slower rank's time that round."""
+    rounds = len(times[0][num])
+    return [max(t[num][r] for t in times) / max(t[den][r] for t in times) for r in range(rounds)]
+
+
+def _load(out_dir: str, name: str) -> Any:
+    with open(os.path.join(out_dir, name)) as f:
+        return json.load(f)
 
 
 def _mib(n: float) -> str:
@@ -185,20 +235,24 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8, help="measured steps per engine")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring")
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="interleaved rounds (one step of each engine)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     out_dir = tempfile.mkdtemp(prefix="fsdp-bench-")
     try:
+        common = dict(width=args.width, blocks=args.blocks, warmup=args.warmup, out_dir=out_dir)
         for engine in ENGINES:
-            print(f"running {engine} ...", flush=True)
-            _launch(engine, args, out_dir)
+            print(f"running {engine} (isolated) ...", flush=True)
+            _launch("run_rank", engine, dict(engine=engine, steps=args.steps, **common))
+        print("running every engine interleaved ...", flush=True)
+        _launch("run_rank_interleaved", "interleaved", dict(rounds=args.rounds, **common))
         results = {
-            engine: [
-                json.load(open(os.path.join(out_dir, f"{engine}-rank{r}.json"))) for r in (0, 1)
-            ]
-            for engine in ENGINES
+            engine: [_load(out_dir, f"{engine}-rank{r}.json") for r in (0, 1)] for engine in ENGINES
         }
+        interleaved = [_load(out_dir, f"interleaved-rank{r}.json")["times"] for r in (0, 1)]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
         from fsdp_testing.launcher import shutdown
@@ -208,7 +262,8 @@ def main() -> None:
     print(
         f"\nmodel: {args.blocks} blocks of width {args.width}, {params / 1e6:.2f} M parameters "
         f"({_mib(params * 4)} MiB fp32); batch 4 x 64 tokens per rank; world size 2 (gloo, "
-        f"1 thread per rank); median of {args.steps} steps after {args.warmup} warm-up steps"
+        f"1 thread per rank)\n\nisolated (fresh ranks per engine): median of {args.steps} steps "
+        f"after {args.warmup} warm-up steps"
     )
     header = (
         f"{'engine':12} {'step ms':>8} {'peak RSS MiB r0/r1':>19} {'RSS at start':>13} "
@@ -234,15 +289,45 @@ def main() -> None:
     core, fsdp2, ddp = (max(r["step_s"] for r in results[e]) for e in ENGINES)
     peak = {e: max(r["peak_rss"] for r in results[e]) for e in ENGINES}
     print(
-        f"\nstep time  fsdp_core / FSDP2 = {core / fsdp2:.3f}   fsdp_core / DDP = {core / ddp:.3f}"
+        f"\nisolated step time  fsdp_core / FSDP2 = {core / fsdp2:.3f}   "
+        f"fsdp_core / DDP = {core / ddp:.3f}  (engines one after another: drift included)"
     )
     print(
-        f"peak RSS   fsdp_core / FSDP2 = {peak['fsdp_core'] / peak['torch_fsdp2']:.3f}   "
+        f"peak RSS            fsdp_core / FSDP2 = {peak['fsdp_core'] / peak['torch_fsdp2']:.3f}   "
         f"fsdp_core / DDP = {peak['fsdp_core'] / peak['ddp']:.3f}"
     )
+
+    print(
+        f"\ninterleaved (one pair of ranks, engines stepped in turn): {args.rounds} rounds after "
+        f"{args.warmup} warm-up rounds; the slower rank's time per step"
+    )
+    for engine in ENGINES:
+        slower = [max(t[engine][r] for t in interleaved) for r in range(args.rounds)]
+        print(
+            f"{engine:12} median {statistics.median(slower) * 1e3:8.1f} ms   "
+            f"min {min(slower) * 1e3:8.1f}   max {max(slower) * 1e3:8.1f}"
+        )
+    summary = {}
+    for other in ("torch_fsdp2", "ddp"):
+        ratios = sorted(paired_ratios(interleaved, "fsdp_core", other))
+        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        summary[other] = {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
+        print(
+            f"step time  fsdp_core / {'FSDP2' if other == 'torch_fsdp2' else 'DDP':5} = "
+            f"{median:.3f} (median of {len(ratios)} paired rounds; quartiles {q1:.3f} to {q3:.3f})"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "results": results,
+                    "interleaved": interleaved,
+                    "paired_ratios": summary,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":
