@@ -299,9 +299,11 @@ def _fsdp1_volume(model: Any, full_shard: bool) -> CommVolume | None:
         flat = handle.flat_param
         world = instance.world_size
         sharded = handle.uses_sharded_strategy
-        itemsize = flat.dtype.itemsize
+        # Gathered in the compute dtype, reduced in the reduce dtype (mixed precision).
+        gather_size = (getattr(handle, "_fwd_bwd_param_dtype", None) or flat.dtype).itemsize
+        reduce_size = (getattr(handle, "_reduce_dtype", None) or flat.dtype).itemsize
         numel = sum(flat._numels_with_padding)
-        padded = math.ceil(numel / world) * world * itemsize if sharded else numel * itemsize
+        padded = math.ceil(numel / world) * world if sharded else numel
         trainable = flat.requires_grad
         reduce_kind = None
         if trainable and world > 1:
@@ -309,8 +311,8 @@ def _fsdp1_volume(model: Any, full_shard: bool) -> CommVolume | None:
         units.append(
             UnitVolume(
                 name=type(instance.module).__name__,
-                gather_bytes=padded if sharded else 0,
-                reduce_bytes=padded if trainable else 0,
+                gather_bytes=padded * gather_size if sharded else 0,
+                reduce_bytes=padded * reduce_size if trainable else 0,
                 gathers=_gathers(sharded, bool(instance._is_root), trainable, full_shard),
                 reduce_kind=reduce_kind,
             )

@@ -137,7 +137,7 @@ def test_check_transformer_in_bf16_with_every_engine(capsys):
             "bf16,bf16/fp32",
             "--engine",
             "all",
-            # Parity only: FSDP1's and FSDP2's volumes differ from the theory (see docs/cli.md).
+            # Parity only: FSDP2's FULL_SHARD volume differs from the theory (see docs/cli.md).
             "--comm",
             "report",
         ]
@@ -145,6 +145,23 @@ def test_check_transformer_in_bf16_with_every_engine(capsys):
     out = capsys.readouterr().out
     assert "6 ok, 0 mismatched, 0 errors" in out, out
     assert code == 0
+
+
+def test_check_fsdp1_bytes_under_mixed_precision_match_the_theory(capsys):
+    """FSDP1 gathers its flat parameters in the compute dtype and reduces them in the reduce
+    dtype: the theory counts those, so the strict comparison passes with and without an fp32
+    reduce."""
+    args = ["check", "--model", "nested", "--strategy", "FULL_SHARD,NO_SHARD"]
+    args += ["--prefetch", "none", "--offload", "off", "--mp", "off,bf16,bf16/fp32"]
+    code = main([*args, "--engine", "torch_fsdp1", "--comm", "strict"])
+    out = capsys.readouterr().out
+    assert "6 ok, 0 mismatched, 0 errors" in out, out
+    assert code == 0
+    table = [line for line in out.splitlines() if "theory" in line]
+    bf16_row = next(line for line in table if "FULL_SHARD" in line and "mp=bf16 " in line)
+    fp32_row = next(line for line in table if "FULL_SHARD" in line and "mp=off" in line)
+    # Half the all-gather bytes of the fp32 row, and "= theory".
+    assert "= theory" in bf16_row and "AG 1,832 B" in bf16_row and "AG 3,664 B" in fp32_row
 
 
 def test_check_nonuniform_trains_only_what_requires_grad(capsys):
