@@ -7,7 +7,9 @@ FSDP2 shards a module in place (its class gains ``FSDPModule``) and its paramete
 FSDP1 option                  ``fully_shard``
 ============================  =====================================================
 process_group                 ``mesh=DeviceMesh.from_group(process_group, ...)``
-sharding_strategy             FULL_SHARD: ``reshard_after_forward=True``;
+sharding_strategy             FULL_SHARD: ``reshard_after_forward`` left to FSDP2
+                              (True, except the root, which keeps its parameters
+                              for backward as FSDP1's root does);
                               SHARD_GRAD_OP: ``reshard_after_forward=False``
 cpu_offload                   ``offload_policy=CPUOffloadPolicy(pin_memory=...)``
 mixed_precision               ``mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype)``
@@ -68,6 +70,17 @@ def _unsupported(option: str, value: object, why: str = "") -> NotImplementedErr
         f"{option}={value!r}{': ' + why if why else ''}; run this configuration with engine "
         "'torch_fsdp1' or 'fsdp_core'"
     )
+
+
+def _root_keeps_parameters_by_default() -> bool:
+    """Whether ``fully_shard``'s default ``reshard_after_forward=None`` exists, meaning True for
+    every module but the root (torch 2.7 and later); older torch defaults to True everywhere."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    default = inspect.signature(fully_shard).parameters["reshard_after_forward"].default
+    return default is None
 
 
 class TorchFSDP2Engine:
@@ -134,7 +147,10 @@ class TorchFSDP2Engine:
             name = getattr(strategy, "name", str(strategy))
             if name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
                 raise _unsupported("sharding_strategy", strategy, "only FULL_SHARD/SHARD_GRAD_OP")
-            result["reshard_after_forward"] = name == "FULL_SHARD"
+            if name == "SHARD_GRAD_OP":
+                result["reshard_after_forward"] = False
+            elif not _root_keeps_parameters_by_default():
+                result["reshard_after_forward"] = True
         offload = fsdp_kwargs.get("cpu_offload")
         if offload is not None and getattr(offload, "offload_params", False):
             result["offload_policy"] = CPUOffloadPolicy(pin_memory=has_accelerator())

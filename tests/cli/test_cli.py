@@ -120,8 +120,9 @@ def test_check_fails_and_names_the_row_of_an_engine_that_does_not_average(tmp_pa
 
 
 def test_check_transformer_in_bf16_with_every_engine(capsys):
-    """The transformer runs under bf16 mixed precision with all three engines and stays within
-    the mixed precision rows' tolerance of the autocast reference."""
+    """The transformer runs under bf16 mixed precision with all three engines, stays within
+    the mixed precision rows' tolerance of the autocast reference and sends exactly the
+    theoretical volume (every engine, FSDP2's root kept from forward to backward)."""
     code = main(
         [
             "check",
@@ -137,9 +138,8 @@ def test_check_transformer_in_bf16_with_every_engine(capsys):
             "bf16,bf16/fp32",
             "--engine",
             "all",
-            # Parity only: FSDP2's FULL_SHARD volume differs from the theory (see docs/cli.md).
             "--comm",
-            "report",
+            "strict",
         ]
     )
     out = capsys.readouterr().out
