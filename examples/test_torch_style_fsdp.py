@@ -34,9 +34,7 @@ class TestParityWithDDP(FSDPTest):
         return 2
 
     @skip_if_lt_x_gpu(2)
-    @parametrize(
-        "sharding_strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
-    )
+    @parametrize("sharding_strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP])
     def test_nested_wrapped_model(self, sharding_strategy):
         self._test_fsdp_parity(
             NestedWrappedModule,
