@@ -9,6 +9,7 @@ the API lives and how to prepare constructor arguments.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +21,14 @@ import torch.nn as nn
 from ._base import UNIT_EVENTS, PatchTarget, clean_param_name, translate_kwargs
 
 __all__ = ["WrapperEngine"]
+
+_contexts = threading.local()
+
+
+def _wrap_stack(engine: object) -> list[tuple[dist.ProcessGroup | None, dict[str, Any]]]:
+    """This thread's ``enable_wrap`` stack for ``engine``."""
+    stacks = _contexts.__dict__.setdefault("stacks", {})
+    return stacks.setdefault(id(engine), [])
 
 
 class WrapperEngine:
@@ -75,15 +84,29 @@ class WrapperEngine:
     def always_wrap_policy(self) -> Any:
         return self.api.wrap_module.always_wrap_policy
 
+    # torch's enable_wrap keeps its context in class attributes, shared by every thread: thread
+    # ranks entering it at once would wrap with each other's process group (or be refused). The
+    # engine keeps its own context per thread instead, and wraps through wrap() (so the engine's
+    # argument fix-ups apply); outside it, the wrapper package's own wrap() still honours a
+    # context the caller opened with that package's enable_wrap.
+
+    @contextlib.contextmanager
     def enable_wrap(
         self, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any
-    ) -> contextlib.AbstractContextManager[None]:
-        kwargs = translate_kwargs(fsdp_kwargs, self.api.option_types)
-        if process_group is not None:
-            kwargs["process_group"] = process_group
-        return self.api.wrap_module.enable_wrap(wrapper_cls=self.api.FSDP, **kwargs)
+    ) -> Iterator[None]:
+        translate_kwargs(fsdp_kwargs, self.api.option_types)  # reject bad options on entry
+        stack = _wrap_stack(self)
+        stack.append((process_group, fsdp_kwargs))
+        try:
+            yield
+        finally:
+            stack.pop()
 
     def wrap_if_enabled(self, module: nn.Module) -> nn.Module:
+        stack = _wrap_stack(self)
+        if stack:
+            process_group, fsdp_kwargs = stack[-1]
+            return self.wrap(module, process_group, **fsdp_kwargs)
         return self.api.wrap_module.wrap(module)
 
     # -- full parameters and state dicts ---------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import pytest
 import torch
 import torch.nn as nn
@@ -128,3 +130,32 @@ def test_fsdp2_full_params_writeback_and_state_dict_round_trip(rank, process_gro
     assert torch.equal(get_full_params(model)[0], torch.full((5, 3), 7.0))
     engine.load_full_state_dict(model, full)
     assert torch.equal(get_full_params(model)[0], full["0.weight"])
+
+
+@pytest.mark.parametrize("engine_name", ["fsdp_core", "torch_fsdp1"])
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_enable_wrap_is_per_thread_rank(engine_name, rank, process_group):
+    """Thread ranks inside an engine's ``enable_wrap`` at the same time each wrap with their own
+    process group and options (torch's own enable_wrap context is shared by every thread)."""
+    import torch.distributed as dist
+
+    engine = get_engine(engine_name)
+    strategy = ("FULL_SHARD", "SHARD_GRAD_OP")[rank]
+    from fsdp_core import ShardingStrategy  # translated for torch's engine by name
+
+    with engine.enable_wrap(process_group, sharding_strategy=ShardingStrategy[strategy]):
+        dist.barrier(process_group)
+        wrapped = engine.wrap_if_enabled(nn.Linear(4, 4))
+        dist.barrier(process_group)
+    assert engine.is_wrapped(wrapped)
+    assert wrapped.process_group is process_group
+    assert wrapped.sharding_strategy.name == strategy
+    plain = nn.Linear(4, 4)
+    assert engine.wrap_if_enabled(plain) is plain
+    with pytest.raises(ValueError, match="no counterpart"):
+        with engine.enable_wrap(process_group, sharding_strategy=_NoSuchStrategy.ZIGZAG):
+            pass
+
+
+class _NoSuchStrategy(enum.Enum):
+    ZIGZAG = 1
