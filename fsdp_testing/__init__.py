@@ -17,7 +17,7 @@ _EXPORTS: dict[str, str] = {
     "MultiThreadedTestCase": "fsdp_testing.testcase",
     "run_subtests": "fsdp_testing.testcase",
     "skip_if_lt_x_gpu": "fsdp_testing.testcase",
-    "TEST_SKIPS": "fsdp_testing._skips",
+    "TEST_SKIPS": "fsdp_testing._rank.skips",
     "parametrize": "fsdp_testing.common_utils",
     "instantiate_parametrized_tests": "fsdp_testing.common_utils",
     # reference models and init modes

@@ -1,7 +1,7 @@
 """Drop-in for ``torch.testing._internal.common_distributed``: the names torch's distributed tests
 import, running on fsdp_testing's launcher (see docs/migration.md)."""
 
-from fsdp_testing._skips import TEST_SKIPS, TestSkip
+from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
 from fsdp_testing.testcase import (
     DistributedTestFailure,
     MultiProcessTestCase,

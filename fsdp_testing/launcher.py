@@ -1,25 +1,30 @@
 """Launching a task on the ranks of a process group: the one entry point that the pytest plugin
 and the unittest base classes share.
 
-Each mode is one launcher behind the small :class:`Launcher` protocol: ``process`` (the warm pool
-of forked rank processes, ``_pool.py``) and ``thread``/``fake`` (``_threads.py``). Launchers are
-created on first use and live until :func:`shutdown` (called when the test session ends).
+Each mode is one launcher behind the small :class:`Launcher` protocol (``_launch/base.py``):
+``process`` (the warm pool of forked rank processes, ``_launch/pool.py``), ``thread``/``fake``
+(``_launch/threads.py``), and, when pytest itself runs on every rank of a torchrun job, the
+in-place launcher (``_launch/torchrun.py``). Launchers are created on first use and live until
+:func:`shutdown` (called when the test session ends).
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-from typing import Protocol
 
-from fsdp_testing._report import Observation, Verdict, judge
-from fsdp_testing._spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
-from fsdp_testing._task import Task
+from fsdp_testing._launch.base import Launcher
+from fsdp_testing._launch.spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
+from fsdp_testing._launch.torchrun import in_launched_job
+from fsdp_testing._protocol import Task
+from fsdp_testing._report.verdict import Verdict, VerdictOutcome, judge
 
 __all__ = [
     "LaunchSettings",
     "Launcher",
     "UnavailableBackend",
+    "Verdict",
+    "VerdictOutcome",
     "get_launcher",
     "resolve_backend",
     "run_distributed",
@@ -27,14 +32,6 @@ __all__ = [
     "set_session_settings",
     "shutdown",
 ]
-
-
-class Launcher(Protocol):
-    def run(
-        self, task: Task, *, world_size: int, backend: str, timeout: float, reuse: bool
-    ) -> Observation: ...
-
-    def shutdown(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +54,8 @@ class UnavailableBackend(Exception):
 
 
 def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
-    """The backend a test runs on: see SPEC section 1 (nccl only with enough CUDA devices).
+    """The backend a test runs on: the marker's, else ``default``, else nccl when CUDA has at
+    least ``world_size`` devices and gloo otherwise; thread and fake modes have their own.
 
     Raises:
         UnavailableBackend: nccl was asked for without ``world_size`` CUDA devices.
@@ -94,7 +92,7 @@ def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
     return backend
 
 
-_launchers: dict[Mode, Launcher] = {}
+_launchers: dict[str, Launcher] = {}
 _settings = LaunchSettings()
 
 
@@ -110,18 +108,24 @@ def session_settings() -> LaunchSettings:
 
 
 def get_launcher(mode: Mode) -> Launcher:
-    """The session's launcher for ``mode``, created on first use."""
-    launcher = _launchers.get(mode)
+    """The session's launcher for ``mode``, created on first use. Inside a torchrun job every
+    process-mode test runs in place (see ``_launch/torchrun.py``)."""
+    key = "torchrun" if mode is Mode.PROCESS and in_launched_job() else mode.value
+    launcher = _launchers.get(key)
     if launcher is None:
-        if mode is Mode.PROCESS:
-            from fsdp_testing._pool import ProcessLauncher
+        if key == "torchrun":
+            from fsdp_testing._launch.torchrun import TorchrunLauncher
+
+            launcher = TorchrunLauncher()
+        elif mode is Mode.PROCESS:
+            from fsdp_testing._launch.pool import ProcessLauncher
 
             launcher = ProcessLauncher()
         else:
-            from fsdp_testing._threads import ThreadLauncher
+            from fsdp_testing._launch.threads import ThreadLauncher
 
-            launcher = _launchers.get(Mode.THREAD) or ThreadLauncher()
-        _launchers[mode] = launcher
+            launcher = _launchers.get(Mode.THREAD.value) or ThreadLauncher()
+        _launchers[key] = launcher
     return launcher
 
 

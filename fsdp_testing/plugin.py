@@ -13,23 +13,21 @@ from typing import Any
 
 import pytest
 
-from fsdp_testing._spec import (
+from fsdp_testing._launch.spec import (
     DEFAULT_TIMEOUT_S,
     MARKER_SIGNATURE,
     DistSpec,
     Mode,
     parse_marker,
 )
-from fsdp_testing._task import RANK_FIXTURES, FunctionRef, RankFixture, Task
+from fsdp_testing._launch.torchrun import in_launched_job, launched_rank, launched_world_size
+from fsdp_testing._protocol import ENGINE_ENV, RANK_FIXTURES, FunctionRef, RankFixture, Task
 
 __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 
 _WS_PARAM = "_fsdp_testing_world_size"
 _settings_key = pytest.StashKey["Any"]()
-_job_key = pytest.StashKey["Any"]()
 _engine_env_key = pytest.StashKey["str | None"]()
-ENGINE_ENV = "FSDP_TESTING_ENGINE"
-"""Carries ``--fsdp-engine`` to the rank processes."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -131,12 +129,7 @@ def _select_engine(config: pytest.Config) -> None:
     os.environ[ENGINE_ENV] = name
 
 
-def _in_launched_job() -> bool:
-    """Whether this pytest process is one rank of a job started by torchrun."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
-if _in_launched_job() and os.environ["RANK"] != "0":
+if in_launched_job() and launched_rank() != 0:
     # Every rank of a torchrun job runs the same session and judges the same verdicts; only
     # rank 0 shows it. This must happen at import, before pytest's capture saves the terminal.
     _devnull = os.open(os.devnull, os.O_WRONLY)
@@ -147,9 +140,6 @@ if _in_launched_job() and os.environ["RANK"] != "0":
 def pytest_unconfigure(config: pytest.Config) -> None:
     import sys
 
-    job = config.stash.get(_job_key, None)
-    if job is not None:
-        job.close()
     if _engine_env_key in config.stash:
         previous = config.stash[_engine_env_key]
         if previous is None:
@@ -203,9 +193,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         resolve_backend(spec, item.config.stash[_settings_key].backend)
     except UnavailableBackend as exc:
         pytest.skip(str(exc))
-    if _in_launched_job():
-        from fsdp_testing._inplace import launched_world_size
-
+    if in_launched_job():
         if spec.mode is not Mode.PROCESS:
             pytest.skip(
                 f"mode={spec.mode.value!r} tests do not run inside a torchrun job; run them in a "
@@ -276,9 +264,10 @@ def _local_task(item: pytest.Function) -> Task:
     return Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
 
 
-def _build_task(item: pytest.Function, spec: DistSpec) -> Task:
+def _build_task(item: pytest.Function, *, portable: bool) -> Task:
+    """The test as a task; ``portable``: one that another process can unpickle and import."""
     task = _local_task(item)
-    if spec.mode is not Mode.PROCESS:
+    if not portable:
         return task
     kwargs, tbstyle = task.kwargs, task.tbstyle
     func = getattr(item.obj, "__func__", item.obj)
@@ -307,42 +296,27 @@ def _build_task(item: pytest.Function, spec: DistSpec) -> Task:
     return Task(target=ref, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
 
 
-def _run_in_place(item: pytest.Function, spec: DistSpec) -> Any:
-    from fsdp_testing._inplace import InPlaceJob
-    from fsdp_testing.launcher import resolve_backend
-
-    settings = item.config.stash[_settings_key]
-    timeout = spec.timeout if spec.timeout is not None else settings.timeout
-    job = item.config.stash.get(_job_key, None)
-    if job is None:
-        job = InPlaceJob(resolve_backend(spec, settings.backend), timeout)
-        item.config.stash[_job_key] = job
-    return job.run(_local_task(item), timeout)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = _spec_of(pyfuncitem)
     if spec is None:
         return None
-    from fsdp_testing.launcher import run_distributed
+    from fsdp_testing.launcher import VerdictOutcome, get_launcher, run_distributed
 
-    if _in_launched_job():
-        verdict = _run_in_place(pyfuncitem, spec)
-    else:
-        fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
-        verdict = run_distributed(
-            _build_task(pyfuncitem, spec),
-            spec,
-            pyfuncitem.config.stash[_settings_key],
-            pool=False if fresh else None,
-        )
+    portable = get_launcher(spec.mode).crosses_processes
+    fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
+    verdict = run_distributed(
+        _build_task(pyfuncitem, portable=portable),
+        spec,
+        pyfuncitem.config.stash[_settings_key],
+        pool=False if fresh else None,
+    )
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
-    if verdict.outcome == "failed":
+    if verdict.outcome is VerdictOutcome.FAILED:
         pytest.fail(verdict.message, pytrace=False)
-    elif verdict.outcome == "skipped":
+    elif verdict.outcome is VerdictOutcome.SKIPPED:
         pytest.skip(verdict.message)
-    elif verdict.outcome == "xfailed":
+    elif verdict.outcome is VerdictOutcome.XFAILED:
         pytest.xfail(verdict.message)
     return True

@@ -24,10 +24,10 @@ import unittest
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fsdp_testing._rank import RankContext
-from fsdp_testing._skips import TEST_SKIPS, TestSkip
-from fsdp_testing._spec import DistSpec, Mode
-from fsdp_testing._task import FunctionRef, Task
+from fsdp_testing._launch.spec import DistSpec, Mode
+from fsdp_testing._protocol import FunctionRef, Task
+from fsdp_testing._rank.context import RankContext
+from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
 
 __all__ = [
     "TEST_SKIPS",
@@ -134,7 +134,7 @@ class _MethodTask:
     file_name: str
 
     def run_on_rank(self, ctx: RankContext) -> None:
-        from fsdp_testing._loader import resolve
+        from fsdp_testing._rank.import_test import resolve
 
         cls = resolve(self.cls_ref)
         token = _on_rank.set(True)

@@ -11,15 +11,19 @@ import time
 import traceback
 from collections.abc import Callable
 
-from fsdp_testing import _flight
-from fsdp_testing._rank import RankContext, RankState, install_router, run_task
-from fsdp_testing._report import Observation
-from fsdp_testing._task import Outcome, RankResult, Task
+from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._protocol import Outcome, RankResult, Task
+from fsdp_testing._rank.capture import install_router
+from fsdp_testing._rank.context import RankContext
+from fsdp_testing._rank.run_task import run_task
+from fsdp_testing._rank.state_reset import RankState
+from fsdp_testing._report import collective_log
+from fsdp_testing._report.verdict import Observation
 
 __all__ = ["ThreadLauncher"]
 
-FAILURE_GRACE_S = 1.0
 STOP_WAIT_S = 2.0
+"""How long a stopped rank thread may take to unwind before it counts as unstoppable."""
 
 
 class _Aborted(BaseException):
@@ -46,6 +50,8 @@ def _raise_in(thread: threading.Thread) -> None:
 class ThreadLauncher:
     """Runs every rank of a task as a thread of this process."""
 
+    crosses_processes = False
+
     def run(
         self, task: Task, *, world_size: int, backend: str, timeout: float, reuse: bool = True
     ) -> Observation:
@@ -56,7 +62,7 @@ class ThreadLauncher:
         ranks = [0] if fake else list(range(world_size))
         state = RankState()
         saved_streams = (sys.stdout, sys.stderr)
-        recorders = {r: _flight.FlightRecorder() for r in ranks}
+        recorders = {r: collective_log.FlightRecorder() for r in ranks}
         local = threading.local()
         obs = Observation(world_size=world_size, timeout=timeout)
         teardown: Callable[[], None]
@@ -84,7 +90,7 @@ class ThreadLauncher:
                 mtpg.ProcessLocalGroup.exception_handle(RuntimeError("peer failed"))
 
         router = install_router()
-        _flight.install(lambda: getattr(local, "recorder", None))
+        collective_log.install(lambda: getattr(local, "recorder", None))
 
         def body(rank: int) -> None:
             local.recorder = recorders[rank]
@@ -93,12 +99,10 @@ class ThreadLauncher:
                 ctx = RankContext(rank, world_size, dist.group.WORLD, torch.device("cpu"), backend)
                 result = run_task(task, ctx, router)
             except BaseException:
-                result = RankResult(
-                    rank=rank,
-                    outcome=Outcome.FAILED,
-                    summary="the rank could not start",
-                    message=traceback.format_exc(),
-                    finished_at=time.time(),
+                result = RankResult.harness_failure(
+                    rank,
+                    f"rank {rank} could not join the {backend} process group of {world_size} "
+                    "threads (see the traceback)",
                 )
             obs.results[rank] = result
             if result.outcome is Outcome.FAILED:
@@ -132,7 +136,7 @@ class ThreadLauncher:
                         obs.unstoppable.add(rank)
                     obs.results.pop(rank, None)
         finally:
-            _flight.uninstall()
+            collective_log.uninstall()
             teardown()
             sys.stdout, sys.stderr = saved_streams
             state.restore()
@@ -140,26 +144,18 @@ class ThreadLauncher:
 
     @staticmethod
     def _join(threads: dict[int, threading.Thread], obs: Observation, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        first_failure: float | None = None
+        deadline = Deadline(timeout)
         while True:
             alive = [r for r, t in threads.items() if t.is_alive()]
             if not alive:
                 break
-            if first_failure is None and any(
-                res.outcome is Outcome.FAILED for res in list(obs.results.values())
-            ):
-                first_failure = time.monotonic()
-            until = (
-                deadline
-                if first_failure is None
-                else min(deadline, first_failure + FAILURE_GRACE_S)
-            )
-            if time.monotonic() >= until:
+            if any(res.outcome is Outcome.FAILED for res in list(obs.results.values())):
+                deadline.note_failure()
+            if deadline.expired():
                 obs.stragglers = set(alive)
-                obs.timed_out = first_failure is None
+                obs.timed_out = deadline.timed_out(True)
                 return
-            threads[alive[0]].join(min(0.02, max(0.0, until - time.monotonic())))
+            threads[alive[0]].join(min(0.02, deadline.remaining()))
 
     def shutdown(self) -> None:
         """Nothing outlives a run in thread mode."""

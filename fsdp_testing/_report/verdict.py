@@ -9,11 +9,13 @@ on the ranks (with no failure) is a skip with the rank's reason.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-from fsdp_testing._flight import describe_divergence, format_records
-from fsdp_testing._task import Outcome, RankResult
+from fsdp_testing._protocol import Outcome, RankResult
+from fsdp_testing._report.hang_report import timeout_report, trim_stack
+from fsdp_testing._report.text import rank_heading, ranks_phrase
 
-__all__ = ["Observation", "Verdict", "judge", "trim_stack"]
+__all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
 
 
 @dataclasses.dataclass
@@ -36,37 +38,28 @@ class Observation:
     """Thread ranks that could not be stopped (blocked outside Python)."""
 
 
+class VerdictOutcome(str, enum.Enum):
+    """The outcome of a whole test (a ``str`` enum: compares equal to pytest's words)."""
+
+    PASSED = "passed"
+    """Every rank passed."""
+    FAILED = "failed"
+    """A rank failed or died, or the test timed out."""
+    SKIPPED = "skipped"
+    """No rank failed and at least one skipped (a skip on some ranks skips the test)."""
+    XFAILED = "xfailed"
+    """No rank failed or skipped and at least one called ``pytest.xfail``."""
+
+
 @dataclasses.dataclass
 class Verdict:
     """The outcome pytest reports for the test."""
 
-    outcome: str
-    """``passed``, ``failed``, ``skipped`` or ``xfailed``."""
+    outcome: VerdictOutcome
     message: str = ""
     """The failure report, or the skip/xfail reason."""
     sections: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Extra report sections: each rank's captured output."""
-
-
-_HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
-
-
-def trim_stack(text: str) -> str:
-    """Drop the harness's own frames (and their source lines) from a stack dump."""
-    out: list[str] = []
-    skipping = False
-    for line in text.splitlines():
-        if line.lstrip().startswith("File "):
-            skipping = any(m in line for m in _HARNESS_MARKERS)
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "\n".join(out)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
 
 
 def judge(obs: Observation) -> Verdict:
@@ -76,16 +69,16 @@ def judge(obs: Observation) -> Verdict:
     ]
     failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
     if obs.timed_out:
-        return Verdict("failed", _timeout_report(obs), sections)
+        return Verdict(VerdictOutcome.FAILED, timeout_report(obs), sections)
     if failed or obs.dead:
-        return Verdict("failed", _failure_report(obs, failed), sections)
+        return Verdict(VerdictOutcome.FAILED, _failure_report(obs, failed), sections)
     skipped = [res for _, res in sorted(obs.results.items()) if res.outcome is Outcome.SKIPPED]
     if skipped:
-        return Verdict("skipped", skipped[0].message, sections)
+        return Verdict(VerdictOutcome.SKIPPED, skipped[0].message, sections)
     xfailed = [res for _, res in sorted(obs.results.items()) if res.outcome is Outcome.XFAILED]
     if xfailed:
-        return Verdict("xfailed", xfailed[0].message, sections)
-    return Verdict("passed", "", sections)
+        return Verdict(VerdictOutcome.XFAILED, xfailed[0].message, sections)
+    return Verdict(VerdictOutcome.PASSED, "", sections)
 
 
 def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
@@ -102,51 +95,28 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             headline.append(f"rank {rank} failed: {failed[rank].summary}")
     text = "; ".join(headline)
     if aborted:
-        text += f" ({_ranks(sorted(aborted))} aborted)"
+        text += f" ({ranks_phrase(sorted(aborted))} aborted)"
     parts.append(text)
     for rank in sorted(causes):
         if rank in obs.dead:
             out = obs.last_output.get(rank, "").rstrip()
             parts.append(
-                f"\n[rank {rank}] {obs.exit_status.get(rank, 'exited')} without reporting a "
+                f"\n{rank_heading(rank)} {obs.exit_status.get(rank, 'exited')} without reporting a "
                 "result; its last output:\n" + (out[-3000:] if out else "(none)")
             )
         else:
-            parts.append(f"\n[rank {rank}]\n{failed[rank].message.rstrip()}")
+            parts.append(f"\n{rank_heading(rank)}\n{failed[rank].message.rstrip()}")
     for rank in sorted(aborted):
         if rank in obs.stragglers:
             where = obs.stacks.get(rank, "").rstrip()
             parts.append(
-                f"\n[rank {rank}] aborted: still running after {_ranks(sorted(causes))} failed; "
-                "it was stopped. Where it was:\n" + (trim_stack(where) or "(no stack dump)")
+                f"\n{rank_heading(rank)} aborted: still running after "
+                f"{ranks_phrase(sorted(causes))} failed; it was stopped. Where it was:\n"
+                + (trim_stack(where) or "(no stack dump)")
             )
         else:
             parts.append(
-                f"\n[rank {rank}] aborted: its collective broke because a peer failed: "
+                f"\n{rank_heading(rank)} aborted: its collective broke because a peer failed: "
                 f"{failed[rank].summary}"
             )
-    return "\n".join(parts)
-
-
-def _timeout_report(obs: Observation) -> str:
-    running = sorted(obs.stragglers)
-    parts = [
-        f"timed out after {obs.timeout:g} s: {_ranks(running)} still running "
-        f"(of world size {obs.world_size})"
-    ]
-    if obs.unstoppable:
-        parts.append(
-            f"{_ranks(sorted(obs.unstoppable))} could not be stopped (blocked outside Python)"
-        )
-    if obs.records:
-        parts.append("\ncollective divergence:")
-        parts.extend("  " + line for line in describe_divergence(obs.records))
-        parts.append("\nlast collectives per rank:")
-        parts.extend(format_records(obs.records))
-    for rank in running:
-        stack = trim_stack(obs.stacks.get(rank, "(none)")).rstrip()
-        parts.append(f"\n[rank {rank}] stack when the timeout hit:\n{stack}")
-    for rank, res in sorted(obs.results.items()):
-        if res.outcome is Outcome.FAILED:
-            parts.append(f"\n[rank {rank}] failed before the timeout:\n{res.message.rstrip()}")
     return "\n".join(parts)

@@ -3,11 +3,7 @@
 Forking a process that has imported torch but started no threads, no OpenMP pool and no CUDA
 context is safe and takes milliseconds, where starting an interpreter and importing torch takes
 seconds. The server also reaps its children, so it is the one that knows how a rank died.
-
-Protocol (over a ``multiprocessing`` connection to the parent):
-- ``("fork", spec)`` -> ``("forked", [pid, ...])``: start one rank per entry of ``spec["ranks"]``.
-- ``("status", [pid, ...], timeout)`` -> ``("status", {pid: description or None})``.
-- ``("stop",)``: kill every child and exit.
+Messages: see [Note: pool protocol] in ``fsdp_testing/_protocol.py``.
 """
 
 from __future__ import annotations
@@ -16,13 +12,22 @@ import os
 import signal
 import sys
 import time
-from multiprocessing.connection import Connection
-from typing import Any
+
+from fsdp_testing._protocol import (
+    Forked,
+    ForkRanks,
+    GenerationSpec,
+    ServerHello,
+    Statuses,
+    StatusQuery,
+    Stop,
+)
 
 __all__ = ["describe_status", "main"]
 
 
 def describe_status(status: int) -> str:
+    """``"killed by SIGKILL"`` or ``"exited with code 3"`` for a ``waitpid`` status."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:
@@ -33,32 +38,26 @@ def describe_status(status: int) -> str:
     return f"exited with code {os.waitstatus_to_exitcode(status)}"
 
 
-def _fork_rank(spec: dict[str, Any], rank: int, conn: Connection) -> int:
+def _fork_rank(spec: GenerationSpec, rank: int, close_in_child: object) -> int:
+    """Start one rank process: fork, and run the rank's main loop in the child."""
     pid = os.fork()
     if pid:
         return pid
     # The child: forget the server's connection and become a rank.
     try:
-        conn.close()
+        close_in_child.close()  # type: ignore[attr-defined]
         os.setpgid(0, 0)
-        sys.path[:] = spec["sys_path"]
-        os.chdir(spec["cwd"])
-        from fsdp_testing._worker import serve
+        sys.path[:] = spec.sys_path
+        os.chdir(spec.cwd)
+        from fsdp_testing._launch.rank_process import serve
 
-        serve(
-            rank=rank,
-            world_size=spec["world_size"],
-            backend=spec["backend"],
-            gen_dir=spec["gen_dir"],
-            address=spec["address"],
-            pg_timeout_s=spec["pg_timeout_s"],
-        )
+        serve(rank=rank, spec=spec)
     finally:
         os._exit(70)
 
 
 def main(address: str) -> None:
-    from fsdp_testing._worker import connect, die_with_parent
+    from fsdp_testing._launch.rank_process import connect, die_with_parent
 
     die_with_parent()
     # Preload what every rank needs, so forks start warm.
@@ -67,10 +66,11 @@ def main(address: str) -> None:
     import torch
     import torch.distributed  # noqa: F401
 
-    import fsdp_testing._rank  # noqa: F401
+    import fsdp_testing._rank.run_task
+    import fsdp_testing._rank.state_reset  # noqa: F401
 
     conn = connect(address)
-    conn.send(("zygote", os.getpid()))
+    conn.send(ServerHello(os.getpid()))
     children: set[int] = set()
     reaped: dict[int, str] = {}
 
@@ -92,26 +92,26 @@ def main(address: str) -> None:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
-            msg = ("stop",)
-        if msg[0] == "fork":
-            spec = msg[1]
-            pids = [_fork_rank(spec, rank, conn) for rank in spec["ranks"]]
+            msg = Stop()
+        if isinstance(msg, ForkRanks):
+            pids = tuple(_fork_rank(msg.spec, r, conn) for r in range(msg.spec.world_size))
             children.update(pids)
-            conn.send(("forked", pids))
-        elif msg[0] == "status":
-            _, pids, timeout = msg
-            deadline = time.monotonic() + timeout
-            while any(p not in reaped for p in pids) and time.monotonic() < deadline:
+            conn.send(Forked(pids))
+        elif isinstance(msg, StatusQuery):
+            deadline = time.monotonic() + msg.timeout
+            while any(p not in reaped for p in msg.pids) and time.monotonic() < deadline:
                 time.sleep(0.01)
                 reap()
-            conn.send(("status", {p: reaped.pop(p, None) for p in pids}))
-        elif msg[0] == "stop":
+            conn.send(Statuses({p: reaped.pop(p, None) for p in msg.pids}))
+        elif isinstance(msg, Stop):
             for pid in list(children):
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except OSError:
                     pass
             os._exit(0)
+        else:
+            raise AssertionError(f"fork server: unexpected message {msg!r}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Process mode, parent side: the warm pool of rank processes.
+"""Process mode, parent side: the warm pool of rank processes (forked by ``fork_server.py``,
+each running ``rank_process.py``'s loop).
 
 [Note: warm pool isolation]
 Ranks of one (world size, backend) stay alive between tests, with their process group, so a
@@ -8,7 +9,13 @@ RNG state, default dtype and device, grad mode, attributes of ``torch.distribute
 patched, added or that our own flight recorder wraps, and extra process groups. A generation of
 ranks is thrown away and forked anew from the fork server when it cannot be trusted: a rank
 died, timed out or was still running when a peer failed (it may be stuck in a collective), the
-test destroyed the default group, or the pool is disabled (``--no-dist-pool``).
+test destroyed the default group, or the pool is disabled (``--no-dist-pool``). Per-test state is
+reset on the rank by ``fsdp_testing/_rank/state_reset.py``.
+
+A generation is reused only by tests whose process-group timeout it satisfies: its group was
+created with a timeout of ``max(test timeout, MIN_PG_TIMEOUT_S)``, and a later test with a longer
+``timeout=`` gets a new generation (otherwise its collectives would raise at the first test's
+timeout).
 """
 
 from __future__ import annotations
@@ -26,16 +33,32 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
-from fsdp_testing import _flight
-from fsdp_testing._report import Observation
-from fsdp_testing._task import Outcome, RankResult, Task
+from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._protocol import (
+    Forked,
+    ForkRanks,
+    GenerationSpec,
+    Outcome,
+    RankHello,
+    RankInitFailed,
+    RankResult,
+    ServerHello,
+    Statuses,
+    StatusQuery,
+    Stop,
+    Task,
+)
+from fsdp_testing._report import collective_log
+from fsdp_testing._report.verdict import Observation
 
 __all__ = ["ProcessLauncher"]
 
-FAILURE_GRACE_S = 1.0
-"""How long peers of a failed rank may take to finish before they count as aborted."""
 STACK_DUMP_WAIT_S = 0.3
 START_TIMEOUT_S = 60.0
+MIN_PG_TIMEOUT_S = 30.0
+"""Floor of a generation's process-group timeout (a test's own timeout may be shorter: the
+parent stops its ranks at the test's timeout whatever the group's is)."""
+_STOP = pickle.dumps(Stop())
 
 
 @dataclasses.dataclass
@@ -45,6 +68,7 @@ class _Generation:
     gen_dir: str
     conns: list[Connection]
     pids: list[int]
+    pg_timeout_s: float
     tests_served: int = 0
 
     def log_path(self, rank: int) -> str:
@@ -70,13 +94,16 @@ class _Generation:
 class ProcessLauncher:
     """Runs tasks on rank processes forked from one fork server, kept warm between tests."""
 
+    crosses_processes = True
+
     def __init__(self) -> None:
         self._root = tempfile.mkdtemp(prefix="fsdp-testing-")
         self._address = os.path.join(self._root, "ctl.sock")
         self._server: socket.socket | None = None
-        self._zygote: subprocess.Popen[bytes] | None = None
+        self._server_proc: subprocess.Popen[bytes] | None = None
         self._zconn: Connection | None = None
         self._pools: dict[tuple[int, str], _Generation] = {}
+        """Warm generations by (world size, backend)."""
         self._gen_counter = 0
         self.generations_started = 0
 
@@ -89,16 +116,20 @@ class ProcessLauncher:
         sock.setblocking(True)
         return Connection(sock.detach())
 
-    def _ensure_zygote(self) -> Connection:
-        if self._zconn is not None and self._zygote is not None and self._zygote.poll() is None:
+    def _ensure_fork_server(self) -> Connection:
+        if (
+            self._zconn is not None
+            and self._server_proc is not None
+            and self._server_proc.poll() is None
+        ):
             return self._zconn
         if self._server is None:
             self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._server.bind(self._address)
             self._server.listen(256)
-        log = open(os.path.join(self._root, "zygote.log"), "ab")
-        self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "fsdp_testing._zygote", self._address],
+        log = open(os.path.join(self._root, "fork_server.log"), "ab")
+        self._server_proc = subprocess.Popen(
+            [sys.executable, "-m", "fsdp_testing._launch.fork_server", self._address],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -108,63 +139,73 @@ class ProcessLauncher:
         try:
             conn = self._accept(START_TIMEOUT_S)
         except TimeoutError:
-            self._zygote.kill()
+            self._server_proc.kill()
             raise RuntimeError(
                 "fsdp_testing: the rank fork server did not start within "
-                f"{START_TIMEOUT_S:.0f} s; its log: {os.path.join(self._root, 'zygote.log')}"
+                f"{START_TIMEOUT_S:.0f} s; see its log for why: "
+                f"{os.path.join(self._root, 'fork_server.log')}"
             ) from None
-        kind, _pid = conn.recv()
-        if kind != "zygote":
-            raise AssertionError(f"fork server said {kind!r} instead of hello")
+        hello = conn.recv()
+        if not isinstance(hello, ServerHello):
+            raise AssertionError(f"fork server said {hello!r} instead of ServerHello")
         self._zconn = conn
         return conn
 
     def _statuses(self, pids: list[int], timeout: float) -> dict[int, str | None]:
-        conn = self._ensure_zygote()
-        conn.send(("status", pids, timeout))
-        _, statuses = conn.recv()
-        return statuses
+        conn = self._ensure_fork_server()
+        conn.send(StatusQuery(tuple(pids), timeout))
+        answer = conn.recv()
+        assert isinstance(answer, Statuses), f"fork server answered {answer!r} to StatusQuery"
+        return answer.by_pid
 
     # --- generations ----------------------------------------------------------------------
 
     def _start_generation(self, world_size: int, backend: str, pg_timeout_s: float) -> _Generation:
-        zconn = self._ensure_zygote()
+        zconn = self._ensure_fork_server()
         self._gen_counter += 1
         gen_dir = os.path.join(self._root, f"gen{self._gen_counter}")
         os.mkdir(gen_dir)
-        spec = {
-            "ranks": list(range(world_size)),
-            "world_size": world_size,
-            "backend": backend,
-            "gen_dir": gen_dir,
-            "address": self._address,
-            "pg_timeout_s": pg_timeout_s,
-            "sys_path": list(sys.path),
-            "cwd": os.getcwd(),
-        }
-        zconn.send(("fork", spec))
-        _, pids = zconn.recv()
+        spec = GenerationSpec(
+            world_size=world_size,
+            backend=backend,
+            gen_dir=gen_dir,
+            address=self._address,
+            pg_timeout_s=pg_timeout_s,
+            sys_path=tuple(sys.path),
+            cwd=os.getcwd(),
+        )
+        zconn.send(ForkRanks(spec))
+        forked = zconn.recv()
+        assert isinstance(forked, Forked), f"fork server answered {forked!r} to ForkRanks"
+        pids = list(forked.pids)
         conns: list[Connection | None] = [None] * world_size
         try:
             for _ in range(world_size):
                 accepted = self._accept(START_TIMEOUT_S)
-                _, rank, _pid = accepted.recv()
-                conns[rank] = accepted
+                hello = accepted.recv()
+                assert isinstance(hello, RankHello), f"a rank said {hello!r} instead of hello"
+                conns[hello.rank] = accepted
             for rank, conn in enumerate(conns):
                 assert conn is not None
                 if not conn.poll(START_TIMEOUT_S):
-                    raise TimeoutError(f"rank {rank} did not join its process group")
+                    raise TimeoutError(
+                        f"fsdp_testing: rank {rank} did not join its {backend} process group of "
+                        f"{world_size} within {START_TIMEOUT_S:.0f} s; its log: "
+                        f"{os.path.join(gen_dir, f'rank{rank}.log')}"
+                    )
                 msg = conn.recv()
-                if msg[0] == "init_failed":
+                if isinstance(msg, RankInitFailed):
                     raise RuntimeError(
                         f"fsdp_testing: rank {rank} could not join a {backend} process group of "
-                        f"{world_size}:\n{msg[2]}"
+                        f"{world_size}:\n{msg.traceback}"
                     )
         except BaseException:
             self._kill(pids)
             raise
         self.generations_started += 1
-        return _Generation(world_size, backend, gen_dir, [c for c in conns if c], pids)
+        return _Generation(
+            world_size, backend, gen_dir, [c for c in conns if c], pids, pg_timeout_s
+        )
 
     def _kill(self, pids: list[int]) -> None:
         for pid in pids:
@@ -179,7 +220,7 @@ class ProcessLauncher:
     def _discard(self, gen: _Generation) -> None:
         for conn in gen.conns:
             try:
-                conn.send_bytes(b"stop")
+                conn.send_bytes(_STOP)
             except OSError:
                 pass
             conn.close()
@@ -208,10 +249,15 @@ class ProcessLauncher:
             reuse: keep the ranks warm for the next test when they can be trusted.
         """
         key = (world_size, backend)
+        pg_timeout_s = max(timeout, MIN_PG_TIMEOUT_S)
         # A fresh-process test leaves the warm generation (if any) for the tests after it.
         gen = self._pools.pop(key, None) if reuse else None
+        if gen is not None and gen.pg_timeout_s < pg_timeout_s:
+            # Its collectives would raise before this test's timeout: start a longer-lived one.
+            self._discard(gen)
+            gen = None
         if gen is None:
-            gen = self._start_generation(world_size, backend, pg_timeout_s=max(timeout, 30.0))
+            gen = self._start_generation(world_size, backend, pg_timeout_s)
         payload = pickle.dumps(task)
         offsets = [gen.log_size(r) for r in range(world_size)]
         for conn in gen.conns:
@@ -228,18 +274,11 @@ class ProcessLauncher:
         return obs
 
     def _collect(self, gen: _Generation, timeout: float, offsets: list[int]) -> Observation:
-        start = time.monotonic()
-        deadline = start + timeout
+        deadline = Deadline(timeout)
         pending = {conn: rank for rank, conn in enumerate(gen.conns)}
         obs = Observation(world_size=gen.world_size, timeout=timeout)
-        first_failure: float | None = None
         while pending:
-            until = (
-                deadline
-                if first_failure is None
-                else min(deadline, first_failure + FAILURE_GRACE_S)
-            )
-            ready = wait(list(pending), timeout=max(0.0, until - time.monotonic()))
+            ready = wait(list(pending), timeout=deadline.remaining())
             if not ready:
                 break
             for ready_conn in ready:
@@ -249,15 +288,15 @@ class ProcessLauncher:
                     result: RankResult = conn.recv()
                 except (EOFError, OSError):
                     obs.dead.add(rank)
-                    first_failure = first_failure or time.monotonic()
+                    deadline.note_failure()
                     continue
                 obs.results[rank] = result
                 if result.outcome is Outcome.FAILED:
-                    first_failure = first_failure or time.monotonic()
+                    deadline.note_failure()
         obs.stragglers = set(pending.values())
-        obs.timed_out = bool(obs.stragglers) and first_failure is None
+        obs.timed_out = deadline.timed_out(bool(obs.stragglers))
         if obs.stragglers:
-            # See [Note: flight record] in _flight.py: read what every rank was doing.
+            # See [Note: collective log]: read what every rank was doing.
             for rank in obs.stragglers:
                 try:
                     os.kill(gen.pids[rank], signal.SIGUSR1)
@@ -268,7 +307,7 @@ class ProcessLauncher:
                 obs.stacks[rank] = _strip_output(gen.read_log(rank, offsets[rank]), rank, obs)
             self._kill([gen.pids[r] for r in obs.stragglers])
         for rank in range(gen.world_size):
-            obs.records[rank] = _flight.read_record_file(
+            obs.records[rank] = collective_log.read_record_file(
                 os.path.join(gen.gen_dir, f"rank{rank}.flight")
             )
         if obs.dead:
@@ -283,22 +322,22 @@ class ProcessLauncher:
         for gen in self._pools.values():
             for conn in gen.conns:
                 try:
-                    conn.send_bytes(b"stop")
+                    conn.send_bytes(_STOP)
                 except OSError:
                     pass
             self._kill(gen.pids)
         self._pools.clear()
         if self._zconn is not None:
             try:
-                self._zconn.send(("stop",))
+                self._zconn.send(Stop())
             except OSError:
                 pass
-        if self._zygote is not None:
+        if self._server_proc is not None:
             try:
-                self._zygote.wait(5)
+                self._server_proc.wait(5)
             except subprocess.TimeoutExpired:
-                self._zygote.kill()
-                self._zygote.wait()
+                self._server_proc.kill()
+                self._server_proc.wait()
         if self._server is not None:
             self._server.close()
         shutil.rmtree(self._root, ignore_errors=True)

@@ -1,8 +1,9 @@
 """The main loop of one rank process in process mode.
 
-A rank is forked from the fork server (``_zygote.py``) with torch already imported. It joins the
-process group once, then serves tasks from the parent until told to stop: see
-[Note: warm pool isolation] in ``_pool.py`` for what is reset between tasks.
+A rank is forked from the fork server (``fork_server.py``) with torch already imported. It joins
+the process group once, then serves tasks from the parent until told to stop: see
+[Note: warm pool isolation] in ``pool.py`` for what is reset between tasks, and
+[Note: pool protocol] in ``fsdp_testing/_protocol.py`` for the messages.
 """
 
 from __future__ import annotations
@@ -18,9 +19,20 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from fsdp_testing import _flight
-from fsdp_testing._rank import RankContext, RankState, install_router, run_task
-from fsdp_testing._task import Outcome, RankResult
+from fsdp_testing._protocol import (
+    ENGINE_ENV,
+    GenerationSpec,
+    RankHello,
+    RankInitFailed,
+    RankReady,
+    RankResult,
+    Stop,
+)
+from fsdp_testing._rank.capture import install_router
+from fsdp_testing._rank.context import RankContext
+from fsdp_testing._rank.run_task import run_task
+from fsdp_testing._rank.state_reset import RankState
+from fsdp_testing._report import collective_log
 
 __all__ = ["STACK_SIGNAL", "connect", "die_with_parent", "serve"]
 
@@ -46,18 +58,10 @@ def connect(address: str) -> Connection:
     return Connection(sock.detach())
 
 
-def serve(
-    *,
-    rank: int,
-    world_size: int,
-    backend: str,
-    gen_dir: str,
-    address: str,
-    pg_timeout_s: float,
-) -> None:
+def serve(*, rank: int, spec: GenerationSpec) -> None:
     """Join the process group as ``rank`` and run tasks from the parent; never returns."""
     die_with_parent()
-    log_path = os.path.join(gen_dir, f"rank{rank}.log")
+    log_path = os.path.join(spec.gen_dir, f"rank{rank}.log")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -67,40 +71,40 @@ def serve(
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=log, all_threads=True, chain=False)
 
-    conn = connect(address)
-    conn.send(("hello", rank, os.getpid()))
+    conn = connect(spec.address)
+    conn.send(RankHello(rank, os.getpid()))
     try:
-        ctx = _join(rank, world_size, backend, gen_dir, pg_timeout_s)
+        ctx = _join(rank, spec)
     except BaseException:
-        conn.send(("init_failed", rank, traceback.format_exc()))
+        conn.send(RankInitFailed(rank, traceback.format_exc()))
         os._exit(1)
-    if os.environ.get("FSDP_TESTING_ENGINE"):
+    if os.environ.get(ENGINE_ENV):
         from fsdp_testing.engines import set_default_engine
 
-        set_default_engine(os.environ["FSDP_TESTING_ENGINE"])
-    recorder = _flight.FlightRecorder(path=os.path.join(gen_dir, f"rank{rank}.flight"))
-    _flight.install(lambda: recorder)
+        set_default_engine(os.environ[ENGINE_ENV])
+    recorder = collective_log.FlightRecorder(path=os.path.join(spec.gen_dir, f"rank{rank}.flight"))
+    collective_log.install(lambda: recorder)
     state = RankState()
     router = install_router(tee=log)
-    conn.send(("ready", rank, os.getpid()))
+    conn.send(RankReady(rank, os.getpid()))
     while True:
         try:
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             os._exit(0)
-        if payload == b"stop":
-            os._exit(0)
         recorder.reset()
         try:
             task = pickle.loads(payload)
         except BaseException:
-            result = RankResult(
-                rank=rank,
-                outcome=Outcome.FAILED,
-                summary="the task could not be unpickled on the rank",
-                message=traceback.format_exc(),
+            result = RankResult.harness_failure(
+                rank,
+                "the task could not be unpickled on the rank: an argument of the test (fixture, "
+                "parameter or test class instance) does not import in a fresh process; build it "
+                "inside the test body or use mode='thread'",
             )
         else:
+            if isinstance(task, Stop):
+                os._exit(0)
             result = run_task(task, ctx, router)
         state.restore()
         import torch.distributed as dist
@@ -115,12 +119,11 @@ def serve(
             os._exit(0)
 
 
-def _join(
-    rank: int, world_size: int, backend: str, gen_dir: str, pg_timeout_s: float
-) -> RankContext:
+def _join(rank: int, spec: GenerationSpec) -> RankContext:
     import torch
     import torch.distributed as dist
 
+    world_size, backend = spec.world_size, spec.backend
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the machine's cores; oversubscribing them makes every test slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -128,13 +131,13 @@ def _join(
     if backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    store = dist.FileStore(os.path.join(gen_dir, "store"), world_size)
+    store = dist.FileStore(os.path.join(spec.gen_dir, "store"), world_size)
     dist.init_process_group(
         backend,
         store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=pg_timeout_s),
+        timeout=timedelta(seconds=spec.pg_timeout_s),
         device_id=device if backend == "nccl" else None,
     )
     return RankContext(

@@ -1,4 +1,4 @@
-"""Resolving a :class:`~fsdp_testing._task.FunctionRef` inside a rank process.
+"""Resolving a :class:`~fsdp_testing._protocol.FunctionRef` inside a rank process.
 
 Test modules are loaded with pytest's assertion rewriting, so a failing ``assert`` on a rank
 explains itself the way it would in the parent.
@@ -14,7 +14,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from fsdp_testing._task import FunctionRef
+from fsdp_testing._protocol import FunctionRef
 
 __all__ = ["resolve"]
 

@@ -1,0 +1,51 @@
+"""The one waiting rule every launcher follows while the ranks of a test run.
+
+[Note: deadline and failure grace]
+A test ends when every rank has reported. It is cut short in two ways: at ``timeout`` seconds
+(the test hung: every rank still running is a straggler, and the report is a timeout report),
+or ``FAILURE_GRACE_S`` after the first rank failed or died (its peers usually break out of their
+collectives within milliseconds; those that do not are stopped and reported as aborted, not as
+a timeout). Process and thread launchers wait on different things (connections, threads) but
+ask this one object how long they may still wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["FAILURE_GRACE_S", "Deadline"]
+
+FAILURE_GRACE_S = 1.0
+"""How long peers of a failed rank may take to finish before they count as aborted."""
+
+
+class Deadline:
+    """The moment the launcher stops waiting for the ranks of one test."""
+
+    def __init__(self, timeout: float, grace: float = FAILURE_GRACE_S) -> None:
+        self._deadline = time.monotonic() + timeout
+        self._grace = grace
+        self._first_failure: float | None = None
+
+    def note_failure(self) -> None:
+        """A rank failed or died: its peers get ``grace`` seconds more, not the full timeout."""
+        if self._first_failure is None:
+            self._first_failure = time.monotonic()
+
+    @property
+    def failed(self) -> bool:
+        return self._first_failure is not None
+
+    def remaining(self) -> float:
+        """Seconds left to wait (0 when the wait is over)."""
+        until = self._deadline
+        if self._first_failure is not None:
+            until = min(until, self._first_failure + self._grace)
+        return max(0.0, until - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0.0
+
+    def timed_out(self, stragglers: bool) -> bool:
+        """Ranks still running at the end count as a hang only when nothing failed first."""
+        return stragglers and self._first_failure is None

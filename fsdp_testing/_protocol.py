@@ -1,0 +1,210 @@
+"""What travels between the parent, the fork server and the ranks: tasks, placeholders, per-rank
+results and the small control messages of the process pool.
+
+Nothing here imports torch, so the parent can build tasks before any rank exists.
+
+[Note: pool protocol]
+Three kinds of process talk over ``multiprocessing`` connections on one Unix socket:
+
+- parent -> fork server: :class:`ForkRanks` (answered by :class:`Forked`),
+  :class:`StatusQuery` (answered by :class:`Statuses`) and :class:`Stop`;
+  the fork server greets the parent with :class:`ServerHello`.
+- rank -> parent, once: :class:`RankHello` on connecting, then :class:`RankReady` or
+  :class:`RankInitFailed` after joining the process group.
+- parent -> rank, per test: a pickled :class:`Task` (answered by a :class:`RankResult`), or
+  :class:`Stop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+import traceback
+from typing import Any
+
+__all__ = [
+    "ENGINE_ENV",
+    "RANK_FIXTURES",
+    "ForkRanks",
+    "Forked",
+    "FunctionRef",
+    "GenerationSpec",
+    "Outcome",
+    "RankFixture",
+    "RankHello",
+    "RankInitFailed",
+    "RankReady",
+    "RankResult",
+    "ServerHello",
+    "StatusQuery",
+    "Statuses",
+    "Stop",
+    "Task",
+]
+
+RANK_FIXTURES = ("rank", "world_size", "process_group", "device", "dist_backend")
+
+ENGINE_ENV = "FSDP_TESTING_ENGINE"
+"""Carries ``--fsdp-engine`` from the pytest process to the rank processes it forks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFixture:
+    """Stands in the parent for a fixture whose value only exists on a rank."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionRef:
+    """Names a function so that a rank process can import it (test modules included).
+
+    Args:
+        module: the module's name in ``sys.modules`` of the parent.
+        path: the module's file, used when the name alone does not import.
+        qualname: the function's qualified name inside the module.
+    """
+
+    module: str
+    path: str | None
+    qualname: str
+
+
+class Outcome(str, enum.Enum):
+    """How one rank finished one task."""
+
+    PASSED = "passed"
+    """The body returned."""
+    FAILED = "failed"
+    """The body raised."""
+    SKIPPED = "skipped"
+    """The body called ``pytest.skip`` (or raised ``unittest.SkipTest``)."""
+    XFAILED = "xfailed"
+    """The body called ``pytest.xfail``."""
+    ABORTED = "aborted"
+    """The parent stopped the rank: a peer failed, or the test timed out."""
+    DIED = "died"
+    """The rank's process ended without a result (exit code or signal)."""
+
+
+@dataclasses.dataclass
+class Task:
+    """One unit of work run on every rank.
+
+    Args:
+        target: the function to call, or an object with ``run_on_rank(ctx)`` (unittest methods).
+        kwargs: keyword arguments, where :class:`RankFixture` values are filled in on the rank.
+        test_id: shown in reports.
+        tbstyle: pytest's ``--tb`` style for tracebacks formatted on the rank.
+    """
+
+    target: Any
+    kwargs: dict[str, Any]
+    test_id: str
+    tbstyle: str = "auto"
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank reports for one task."""
+
+    rank: int
+    outcome: Outcome
+    message: str = ""
+    """Skip/xfail reason, or the formatted traceback of a failure."""
+    summary: str = ""
+    """One line: the exception type and message of a failure."""
+    stdout: str = ""
+    stderr: str = ""
+    duration: float = 0.0
+    finished_at: float = 0.0
+    """``time.time()`` when the body ended: orders failures across ranks."""
+    comm_error: bool = False
+    """The failure came from a collective broken by a peer, not from the test body's logic."""
+    needs_restart: bool = False
+    """The rank cannot serve another test (e.g. the body destroyed the default group)."""
+
+    @classmethod
+    def harness_failure(cls, rank: int, summary: str) -> RankResult:
+        """A failure of the harness around the test body (call inside ``except``): ``summary``
+        says what could not be done and how to fix it; the current exception's traceback is
+        the message."""
+        return cls(
+            rank=rank,
+            outcome=Outcome.FAILED,
+            summary=summary,
+            message=traceback.format_exc(),
+            finished_at=time.time(),
+        )
+
+
+# --- control messages of the process pool (see [Note: pool protocol]) --------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """Everything a forked rank needs to join one generation of the warm pool."""
+
+    world_size: int
+    backend: str
+    gen_dir: str
+    """Holds the ranks' logs, collective logs and the file store."""
+    address: str
+    """The parent's Unix socket."""
+    pg_timeout_s: float
+    """The process group's timeout: collectives raise after it."""
+    sys_path: tuple[str, ...]
+    cwd: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkRanks:
+    spec: GenerationSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Forked:
+    pids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusQuery:
+    """How did these processes end? Wait up to ``timeout`` seconds for each to be reaped."""
+
+    pids: tuple[int, ...]
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Statuses:
+    by_pid: dict[int, str | None]
+    """``"exited with code N"`` / ``"killed by SIGNAME"``, or None while still running."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Exit now (to the fork server: kill every rank first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerHello:
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHello:
+    rank: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReady:
+    rank: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInitFailed:
+    rank: int
+    traceback: str

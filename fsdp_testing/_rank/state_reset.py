@@ -1,0 +1,64 @@
+"""Where per-test state is reset on a warm rank: what a test may change in its process (RNG,
+default dtype and device, grad mode, ``torch.distributed`` attributes, extra process groups) is
+captured once and restored after every test. See [Note: warm pool isolation] in
+``fsdp_testing/_launch/pool.py``; thread mode restores the same state after each test.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+__all__ = ["RankState"]
+
+_MISSING = object()
+
+
+class RankState:
+    """Process-wide state a test may change, captured once and restored after every test so that
+    a warm rank serves the next test as a fresh process would (see [Note: warm pool isolation]
+    in ``fsdp_testing/_launch/pool.py``)."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self._rng = torch.get_rng_state()
+        self._py_rng = random.getstate()
+        self._dtype = torch.get_default_dtype()
+        self._modules = [dist, c10d]
+        self._attrs = [dict(vars(m)) for m in self._modules]
+        self._groups = set(c10d._world.pg_map)
+
+    def restore(self) -> list[str]:
+        """Restore the captured state; return what had to be undone (for diagnostics)."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        undone: list[str] = []
+        for module, attrs in zip(self._modules, self._attrs, strict=True):
+            current = vars(module)
+            for key in [k for k in current if k not in attrs]:
+                if isinstance(current[key], types.ModuleType):
+                    continue  # a submodule imported during the test stays imported
+                delattr(module, key)
+                undone.append(f"{module.__name__}.{key} (added)")
+            for key, value in attrs.items():
+                if current.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
+                    undone.append(f"{module.__name__}.{key} (patched)")
+        for pg in [pg for pg in list(c10d._world.pg_map) if pg not in self._groups]:
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # a group the test already broke: drop it all the same
+                c10d._world.pg_map.pop(pg, None)
+            undone.append("extra process group")
+        torch.set_rng_state(self._rng)
+        random.setstate(self._py_rng)
+        torch.set_default_dtype(self._dtype)
+        torch.set_grad_enabled(True)
+        if hasattr(torch, "set_default_device"):
+            torch.set_default_device(None)
+        return undone
