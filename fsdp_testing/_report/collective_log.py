@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_testing.collectives import COLLECTIVE_NAMES
+
 __all__ = [
     "RECORDED_OPS",
     "FlightRecorder",
@@ -29,29 +31,8 @@ __all__ = [
     "uninstall",
 ]
 
-RECORDED_OPS = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-)
+RECORDED_OPS = COLLECTIVE_NAMES
+"""Every spelling of every collective in the one table (``fsdp_testing.collectives``)."""
 _FILE_BYTES = 1 << 16
 _HEADER = struct.Struct("<I")
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_testing.collectives import family_of
+
 __all__ = ["describe_divergence", "format_records"]
+
+
+def _family(e: dict[str, Any]) -> str:
+    # Two spellings of one collective (all_gather_into_tensor, _all_gather_base) match.
+    return family_of(e["op"]) or e["op"]
 
 
 def _fmt(e: dict[str, Any]) -> str:
@@ -36,7 +43,7 @@ def describe_divergence(records: dict[int, list[dict[str, Any]]]) -> list[str]:
                         f"rank {r} waits in {_fmt(e)} but rank {peer} never entered it "
                         f"(rank {peer}'s last collective: {done})"
                     )
-                elif pe["seq"] == e["seq"] and pe["op"] != e["op"] and peer > r:
+                elif pe["seq"] == e["seq"] and _family(pe) != _family(e) and peer > r:
                     lines.append(
                         f"rank {r} waits in {_fmt(e)} while rank {peer} waits in {_fmt(pe)}"
                     )

@@ -1,5 +1,5 @@
 """The warm pool: ranks are reused between tests, and nothing one test does reaches the next
-(SPEC section 1, "Warm pool"; see [Note: warm pool isolation] in fsdp_testing/_pool.py)."""
+(see [Note: warm pool isolation] in fsdp_testing/_launch/pool.py)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,13 @@ def test_no_pool_option_starts_fresh_ranks_per_test(tmp_path: Path) -> None:
     pids = _pids(record)
     assert pids["a"].isdisjoint(pids["b"])
     assert processes_tagged(run.tag) == []
+
+
+def test_a_longer_timeout_gets_a_process_group_that_waits_as_long(
+    pooled: tuple[Run, dict],
+) -> None:
+    run, pids = pooled
+    case = run.cases["test_k_longer_timeout_on_the_same_world"]
+    assert case.outcome == "passed", case.text
+    assert pids["k"].isdisjoint(pids["j"]), "ranks with a 40 s group timeout were reused"
+    assert pids["l"] == pids["k"], "a shorter timeout should reuse the longer-lived ranks"

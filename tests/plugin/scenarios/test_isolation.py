@@ -97,3 +97,27 @@ def test_h_fresh(rank):
 @pytest.mark.distributed(world_size=2)
 def test_i_warm_again(rank):
     _note("i", rank)
+
+
+def _group_timeout_s():
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+@pytest.mark.distributed(world_size=3, timeout=40)
+def test_j_short_timeout(rank):
+    _note("j", rank)
+    assert _group_timeout_s() >= 40
+
+
+@pytest.mark.distributed(world_size=3, timeout=95)
+def test_k_longer_timeout_on_the_same_world(rank):
+    _note("k", rank)
+    # The warm ranks of test_j joined their group with a 40 s timeout: a collective of this
+    # test would raise after 40 s although the test allows 95.
+    assert _group_timeout_s() >= 95, f"process group timeout {_group_timeout_s()} s < 95 s"
+
+
+@pytest.mark.distributed(world_size=3, timeout=40)
+def test_l_shorter_timeout_reuses_the_longer_lived_ranks(rank):
+    _note("l", rank)
