@@ -1,0 +1,121 @@
+"""Describing where the ranks' collective logs diverge, and trimming stacks, in-process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fsdp_testing._report.divergence import describe_divergence, format_records
+from fsdp_testing._report.hang_report import trim_stack
+
+
+def _e(seq: int, op: str, state: str, group: str = "default", shapes: Any = None) -> dict:
+    return {
+        "seq": seq,
+        "op": op,
+        "group": group,
+        "shapes": shapes if shapes is not None else [[4]],
+        "dtype": "float32",
+        "state": state,
+    }
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        pytest.param(
+            {
+                0: [_e(1, "all_reduce", "completed"), _e(2, "broadcast", "entered")],
+                1: [_e(1, "all_reduce", "completed"), _e(2, "all_reduce", "entered")],
+            },
+            ["rank 0 waits in broadcast #2 while rank 1 waits in all_reduce #2"],
+            id="different-ops-same-seq",
+        ),
+        pytest.param(
+            {0: [_e(1, "all_gather_into_tensor", "entered")], 1: []},
+            [
+                "rank 0 waits in all_gather_into_tensor #1 but rank 1 never entered it "
+                "(rank 1's last collective: no collective)"
+            ],
+            id="peer-never-entered",
+        ),
+        pytest.param(
+            {0: [_e(3, "all_reduce", "entered")], 1: [_e(2, "all_reduce", "completed")]},
+            [
+                "rank 0 waits in all_reduce #3 but rank 1 never entered it "
+                "(rank 1's last collective: all_reduce #2 (completed))"
+            ],
+            id="peer-behind",
+        ),
+        pytest.param(
+            {
+                0: [_e(1, "all_gather", "entered", shapes=[[4]])],
+                1: [_e(1, "all_gather", "entered", shapes=[[8]])],
+            },
+            ["rank 0 and rank 1 are both in all_gather #1 with different shapes: [[4]] vs [[8]]"],
+            id="different-shapes",
+        ),
+        pytest.param(
+            {
+                0: [_e(1, "all_gather_into_tensor", "entered")],
+                1: [_e(1, "_all_gather_base", "entered")],
+            },
+            [
+                "ranks 0, 1 wait inside a collective that every rank entered (a slow or stuck peer "
+                "outside any recorded collective?)"
+            ],
+            id="two-spellings-of-one-collective-match",
+        ),
+        pytest.param(
+            {0: [_e(1, "barrier", "completed")], 1: [_e(1, "barrier", "completed")]},
+            ["no rank is inside a recorded collective: the hang is in user code"],
+            id="hang-outside-collectives",
+        ),
+        pytest.param(
+            {
+                0: [_e(1, "all_reduce", "entered", group="g1(size 2)")],
+                1: [
+                    _e(1, "all_reduce", "completed", group="g1(size 2)"),
+                    _e(1, "barrier", "entered"),
+                ],
+            },
+            [
+                "rank 1 waits in barrier #1 but rank 0 never entered it (rank 0's last "
+                "collective: no collective)"
+            ],
+            id="sequence-numbers-count-per-group",
+        ),
+    ],
+)
+def test_divergence_table(records: dict, expected: list[str]) -> None:
+    assert describe_divergence(records) == expected
+
+
+def test_format_records_shows_the_last_collectives_of_each_rank() -> None:
+    lines = format_records({0: [_e(i, "all_reduce", "completed") for i in range(1, 8)], 1: []})
+    assert lines[0] == "  rank 0:"
+    assert lines[1] == "    all_reduce #3 shapes=[[4]] dtype=float32 [completed]"
+    assert len(lines) == 1 + 5 + 1
+    assert lines[-1] == "  rank 1: no collectives recorded"
+
+
+STACK = """\
+Thread 0x00007f (most recent call first):
+  File "/site/fsdp_testing/_launch/rank_process.py", line 99 in serve
+    result = run_task(task, ctx, router)
+  File "/site/fsdp_testing/_rank/run_task.py", line 80 in run_task
+    target(**kwargs)
+  File "/home/me/tests/test_model.py", line 12 in test_step
+    dist.all_reduce(t)
+  File "<frozen runpy>", line 88 in _run_code
+"""
+
+
+def test_trim_stack_drops_the_harness_frames_and_keeps_the_test() -> None:
+    trimmed = trim_stack(STACK)
+    assert "rank_process.py" not in trimmed and "run_task" not in trimmed
+    assert "runpy" not in trimmed
+    assert '  File "/home/me/tests/test_model.py", line 12 in test_step' in trimmed
+    assert "    dist.all_reduce(t)" in trimmed
+    assert trimmed.splitlines()[0] == "Thread 0x00007f (most recent call first):"
