@@ -244,6 +244,7 @@ class _DistributedTestCase(unittest.TestCase):
         __tracebackhide__ = True
         from fsdp_testing.launcher import (
             UnavailableBackend,
+            VerdictOutcome,
             resolve_backend,
             run_distributed,
             session_settings,
@@ -285,9 +286,9 @@ class _DistributedTestCase(unittest.TestCase):
                 os.unlink(file_name)
         for title, content in verdict.sections:
             sys.stdout.write(f"----- {title} -----\n{content}")
-        if verdict.outcome == "failed":
+        if verdict.outcome is VerdictOutcome.FAILED:
             raise DistributedTestFailure(verdict.message)
-        if verdict.outcome in ("skipped", "xfailed"):
+        if verdict.outcome in (VerdictOutcome.SKIPPED, VerdictOutcome.XFAILED):
             raise unittest.SkipTest(verdict.message)
 
     # --- rank side ----------------------------------------------------------------------------

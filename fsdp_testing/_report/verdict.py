@@ -50,6 +50,9 @@ class VerdictOutcome(str, enum.Enum):
     XFAILED = "xfailed"
     """No rank failed or skipped and at least one called ``pytest.xfail``."""
 
+    def __str__(self) -> str:
+        return self.value
+
 
 @dataclasses.dataclass
 class Verdict:

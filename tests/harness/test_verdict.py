@@ -125,3 +125,7 @@ def test_each_ranks_output_is_a_report_section() -> None:
     obs = _obs({0: P, 1: P})
     obs.results[1].stdout = "hello from 1\n"
     assert judge(obs).sections == [("output [rank 1]", "hello from 1\n")]
+
+
+def test_outcome_prints_as_pytests_word() -> None:
+    assert f"{VerdictOutcome.SKIPPED}" == "skipped"
