@@ -202,8 +202,8 @@ def run_rank_interleaved(width: int, blocks: int, rounds: int, warmup: int, out_
 
 
 def _launch(function: str, label: str, kwargs: dict[str, Any]) -> None:
-    from fsdp_testing._spec import DistSpec, Mode
-    from fsdp_testing._task import FunctionRef, Task
+    from fsdp_testing._launch.spec import DistSpec, Mode
+    from fsdp_testing._protocol import FunctionRef, Task
     from fsdp_testing.launcher import LaunchSettings, run_distributed
 
     ref = FunctionRef(module="core_vs_fsdp2", path=os.path.abspath(__file__), qualname=function)
@@ -229,6 +229,133 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def _slower(interleaved: list[dict[str, list[float]]], engine: str) -> list[float]:
+    """Per interleaved round, the slower rank's step time of ``engine``."""
+    rounds = len(interleaved[0][engine])
+    return [max(t[engine][r] for t in interleaved) for r in range(rounds)]
+
+
+def _print_report(
+    args: argparse.Namespace,
+    results: dict[str, list[dict[str, Any]]],
+    interleaved: list[dict[str, list[float]]],
+) -> dict[str, dict[str, Any]]:
+    """Print both phases' tables and ratios (rich on a terminal, plain lines elsewhere); returns
+    the paired ratios of the interleaved phase."""
+    from fsdp_testing.cli._render import echo, make_console, print_table
+
+    console = make_console()
+    params = results["ddp"][0]["params"]
+    echo(
+        console,
+        f"\nmodel: {args.blocks} blocks of width {args.width}, {params / 1e6:.2f} M parameters "
+        f"({_mib(params * 4)} MiB fp32); batch 4 x 64 tokens per rank; world size 2 (gloo, "
+        f"1 thread per rank)\n",
+    )
+    rows = []
+    differs = []
+    for engine, ranks in results.items():
+        step = max(r["step_s"] for r in ranks)
+        comm = ranks[0]["comm"]
+        text = ", ".join(f"{v[0]} {k} {v[1]:,} B" for k, v in sorted(comm.items()))
+        same = comm == ranks[0]["theory"] and all(r["comm_consistent"] for r in ranks)
+        verdict = "exact" if same else "DIFFERS"
+        if engine == "ddp":
+            text, verdict = "not visible (C++ Reducer)", "-"
+        if verdict == "DIFFERS":
+            differs.append(f"{engine} theory: {ranks[0]['theory']}")
+        peaks = f"{_mib(ranks[0]['peak_rss'])}/{_mib(ranks[1]['peak_rss'])}"
+        rows.append(
+            [engine, f"{step * 1e3:.1f}", peaks, _mib(ranks[0]["rss_start"]), text, verdict]
+        )
+    print_table(
+        console,
+        ["engine", "step ms", "peak RSS MiB r0/r1", "RSS at start", "collectives/step",
+         "vs theory"],
+        rows,
+        title=f"isolated (fresh ranks per engine): median of {args.steps} steps after "
+        f"{args.warmup} warm-up steps",
+    )  # fmt: skip
+    for line in differs:
+        echo(console, line, style="bold red")
+    core, fsdp2, ddp = (max(r["step_s"] for r in results[e]) for e in ENGINES)
+    peak = {e: max(r["peak_rss"] for r in results[e]) for e in ENGINES}
+    echo(
+        console,
+        f"\nisolated step time  fsdp_core / FSDP2 = {core / fsdp2:.3f}   "
+        f"fsdp_core / DDP = {core / ddp:.3f}  (engines one after another: drift included)",
+    )
+    echo(
+        console,
+        f"peak RSS            fsdp_core / FSDP2 = {peak['fsdp_core'] / peak['torch_fsdp2']:.3f}   "
+        f"fsdp_core / DDP = {peak['fsdp_core'] / peak['ddp']:.3f}\n",
+    )
+    rows = []
+    for engine in ENGINES:
+        slower = _slower(interleaved, engine)
+        figures = (statistics.median(slower), min(slower), max(slower))
+        rows.append([engine, *(f"{v * 1e3:.1f}" for v in figures)])
+    print_table(
+        console,
+        ["engine", "median ms", "min ms", "max ms"],
+        rows,
+        title=f"interleaved (one pair of ranks, engines stepped in turn): {args.rounds} rounds "
+        f"after {args.warmup} warm-up rounds; the slower rank's time per step",
+    )
+    summary = {}
+    for other in ("torch_fsdp2", "ddp"):
+        ratios = sorted(paired_ratios(interleaved, "fsdp_core", other))
+        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        summary[other] = {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
+        echo(
+            console,
+            f"step time  fsdp_core / {'FSDP2' if other == 'torch_fsdp2' else 'DDP':5} = "
+            f"{median:.3f} (median of {len(ratios)} paired rounds; quartiles {q1:.3f} to {q3:.3f})",
+            style="bold",
+        )
+    return summary
+
+
+def _write_png(
+    path: str,
+    args: argparse.Namespace,
+    results: dict[str, list[dict[str, Any]]],
+    interleaved: list[dict[str, list[float]]],
+) -> None:
+    """Bar charts of step time (interleaved median and isolated) and peak RSS per rank, per
+    engine."""
+    from fsdp_testing.cli._plot import BarPanel, draw_bars, save_png
+
+    engines = list(ENGINES)
+    step = BarPanel(
+        title="step time (the slower rank)",
+        unit="ms",
+        groups=engines,
+        series={
+            "interleaved median": [
+                statistics.median(_slower(interleaved, e)) * 1e3 for e in engines
+            ],
+            "isolated median": [max(r["step_s"] for r in results[e]) * 1e3 for e in engines],
+        },
+    )
+    memory = BarPanel(
+        title="peak resident memory",
+        unit="MiB",
+        groups=engines,
+        series={
+            f"rank {rank}": [results[e][rank]["peak_rss"] / 2**20 for e in engines]
+            for rank in (0, 1)
+        },
+    )
+    figure = draw_bars(
+        [step, memory],
+        title=f"fsdp_core, FSDP2 and DDP: {args.blocks} blocks of width {args.width}, world "
+        "size 2 (gloo, CPU)",
+    )
+    save_png(figure, path)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -239,7 +366,19 @@ def main() -> None:
         "--rounds", type=int, default=20, help="interleaved rounds (one step of each engine)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also draw step time and peak memory per engine (matplotlib: the 'plot' extra)",
+    )
     args = parser.parse_args()
+    if args.png:
+        from fsdp_testing.cli._plot import require_matplotlib
+
+        try:
+            require_matplotlib("core_vs_fsdp2.py --png")
+        except ImportError as error:
+            parser.error(str(error))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     out_dir = tempfile.mkdtemp(prefix="fsdp-bench-")
     try:
@@ -258,64 +397,7 @@ def main() -> None:
         from fsdp_testing.launcher import shutdown
 
         shutdown()
-    params = results["ddp"][0]["params"]
-    print(
-        f"\nmodel: {args.blocks} blocks of width {args.width}, {params / 1e6:.2f} M parameters "
-        f"({_mib(params * 4)} MiB fp32); batch 4 x 64 tokens per rank; world size 2 (gloo, "
-        f"1 thread per rank)\n\nisolated (fresh ranks per engine): median of {args.steps} steps "
-        f"after {args.warmup} warm-up steps"
-    )
-    header = (
-        f"{'engine':12} {'step ms':>8} {'peak RSS MiB r0/r1':>19} {'RSS at start':>13} "
-        f"{'collectives/step':>38} {'vs theory':>10}"
-    )
-    print(header)
-    print("-" * len(header))
-    for engine, ranks in results.items():
-        step = max(r["step_s"] for r in ranks)
-        comm = ranks[0]["comm"]
-        text = ", ".join(f"{v[0]} {k} {v[1]:,} B" for k, v in sorted(comm.items()))
-        same = comm == ranks[0]["theory"] and all(r["comm_consistent"] for r in ranks)
-        verdict = "exact" if same else "DIFFERS"
-        if engine == "ddp":
-            text, verdict = "not visible (C++ Reducer)", "-"
-        print(
-            f"{engine:12} {step * 1e3:8.1f} "
-            f"{_mib(ranks[0]['peak_rss']):>9}/{_mib(ranks[1]['peak_rss']):<9} "
-            f"{_mib(ranks[0]['rss_start']):>13} {text:>38} {verdict:>10}"
-        )
-        if verdict == "DIFFERS":
-            print(f"{'':12} theory: {ranks[0]['theory']}")
-    core, fsdp2, ddp = (max(r["step_s"] for r in results[e]) for e in ENGINES)
-    peak = {e: max(r["peak_rss"] for r in results[e]) for e in ENGINES}
-    print(
-        f"\nisolated step time  fsdp_core / FSDP2 = {core / fsdp2:.3f}   "
-        f"fsdp_core / DDP = {core / ddp:.3f}  (engines one after another: drift included)"
-    )
-    print(
-        f"peak RSS            fsdp_core / FSDP2 = {peak['fsdp_core'] / peak['torch_fsdp2']:.3f}   "
-        f"fsdp_core / DDP = {peak['fsdp_core'] / peak['ddp']:.3f}"
-    )
-
-    print(
-        f"\ninterleaved (one pair of ranks, engines stepped in turn): {args.rounds} rounds after "
-        f"{args.warmup} warm-up rounds; the slower rank's time per step"
-    )
-    for engine in ENGINES:
-        slower = [max(t[engine][r] for t in interleaved) for r in range(args.rounds)]
-        print(
-            f"{engine:12} median {statistics.median(slower) * 1e3:8.1f} ms   "
-            f"min {min(slower) * 1e3:8.1f}   max {max(slower) * 1e3:8.1f}"
-        )
-    summary = {}
-    for other in ("torch_fsdp2", "ddp"):
-        ratios = sorted(paired_ratios(interleaved, "fsdp_core", other))
-        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        summary[other] = {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
-        print(
-            f"step time  fsdp_core / {'FSDP2' if other == 'torch_fsdp2' else 'DDP':5} = "
-            f"{median:.3f} (median of {len(ratios)} paired rounds; quartiles {q1:.3f} to {q3:.3f})"
-        )
+    summary = _print_report(args, results, interleaved)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -328,6 +410,8 @@ def main() -> None:
                 f,
                 indent=2,
             )
+    if args.png:
+        _write_png(args.png, args, results, interleaved)
 
 
 if __name__ == "__main__":

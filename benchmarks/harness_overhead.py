@@ -110,11 +110,51 @@ def _run(work: Path, name: str, source: str, *args: str) -> list[float]:
     return times[1:]  # the first test pays for starting the pool / threads machinery once
 
 
+def _print_report(rows: list[tuple[str, list[float]]]) -> None:
+    """One row per harness: tests, median per-test time, and how many times faster than torch's
+    MultiProcessTestCase (rich on a terminal, plain lines elsewhere)."""
+    from fsdp_testing.cli._render import make_console, print_table
+
+    torch_mp = statistics.median(dict(rows)["torch MultiProcessTestCase"])
+    table = []
+    for name, times in rows:
+        med = statistics.median(times)
+        table.append([name, str(len(times)), f"{med * 1000:.1f}", f"{torch_mp / med:.1f}x"])
+    print_table(make_console(), ["harness", "tests", "median ms", "torch MP / this"], table)
+
+
+def _write_png(path: str, rows: list[tuple[str, list[float]]]) -> None:
+    """A bar chart of the median per-test time per harness (log scale: they differ 1000-fold)."""
+    from fsdp_testing.cli._plot import BarPanel, draw_bars, save_png
+
+    panel = BarPanel(
+        title="median wall time per test (setup, call, teardown)",
+        unit="ms (log scale)",
+        groups=[name.replace(" (--no-dist-pool)", "\n(--no-dist-pool)") for name, _ in rows],
+        series={"per test": [statistics.median(times) * 1000 for _, times in rows]},
+        log=True,
+    )
+    save_png(draw_bars([panel], title="Per-test overhead, world size 2 (gloo, CPU)"), path)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", type=int, default=40, help="tests per run for our harness")
     parser.add_argument("--torch-tests", type=int, default=8, help="tests for torch's harness")
+    parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also draw the per-test overhead per harness (matplotlib: the 'plot' extra)",
+    )
     args = parser.parse_args()
+    if args.png:
+        from fsdp_testing.cli._plot import require_matplotlib
+
+        try:
+            require_matplotlib("harness_overhead.py --png")
+        except ImportError as error:
+            parser.error(str(error))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows = [
@@ -133,11 +173,9 @@ def main() -> None:
                 _run(work, "torch_mt", TORCH_MT.format(methods=_methods(args.tests))),
             ),
         ]
-    torch_mp = statistics.median(rows[3][1])
-    print(f"{'harness':48} {'tests':>5} {'median ms':>10} {'torch MP / this':>16}")
-    for name, times in rows:
-        med = statistics.median(times)
-        print(f"{name:48} {len(times):5d} {med * 1000:10.1f} {torch_mp / med:15.1f}x")
+    _print_report(rows)
+    if args.png:
+        _write_png(args.png, rows)
 
 
 if __name__ == "__main__":
