@@ -16,7 +16,9 @@ the unit's parameters and the world size, not from what the engine sends:
   unpadded bytes instead, and a unit over a group of one rank sends nothing.
 
 Padding is the layout's: ``fsdp_core`` and FSDP2 pad every parameter in dim 0 to a multiple of
-the world size; FSDP1 pads one flat parameter per unit.
+the world size; FSDP1 pads one flat parameter per unit. ``fsdp_core`` also sends an order tag
+with every unit collective: two elements per rank after each rank's all-gather block and after
+each row of a reduction (``[Note: order check]`` in ``fsdp_core/_order_check.py``).
 """
 
 from __future__ import annotations
@@ -269,13 +271,21 @@ def _core_volume(model: Any, full_shard: bool) -> CommVolume | None:
         reduce_kind = None
         if trainable and world > 1:
             reduce_kind = "reduce_scatter" if sharded else "all_reduce"
+        # The order tag (elements): per rank of a gather; per rank per row of a reduction.
+        tagged = getattr(unit, "order_tags", None) is not None
+        gather_tag = 2 * world if tagged else 0
+        reduce_tag = 2 * world * (world if sharded else 1) if tagged and reduce_kind else 0
         units.append(
             UnitVolume(
                 name=instance._fsdp_state.fqn or "<root>",
                 gather_bytes=(
-                    sum(size(p, gather_size.itemsize) for p in unit.params) if sharded else 0
+                    sum(size(p, gather_size.itemsize) for p in unit.params)
+                    + gather_tag * gather_size.itemsize
+                    if sharded
+                    else 0
                 ),
-                reduce_bytes=sum(size(p, reduce_size.itemsize) for p in trainable),
+                reduce_bytes=sum(size(p, reduce_size.itemsize) for p in trainable)
+                + reduce_tag * reduce_size.itemsize,
                 gathers=_gathers(
                     sharded, bool(instance._fsdp_state.is_root), bool(trainable), full_shard
                 ),
