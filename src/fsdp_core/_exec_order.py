@@ -14,9 +14,12 @@ and hang or silently mix tensors. During the first iteration, before every colle
 issues (its all-gather or gradient reduction), the ranks of the unit's group all-reduce (MAX) the
 pair ``(code, -code)`` with ``code = 2 * unit_index + op``; if the minimum and maximum differ,
 every rank raises the same error naming the units involved instead of hanging. That costs one
-16-byte all-reduce per unit collective, once. Later iterations compare the local forward order
-against the recorded one and warn once on a deviation (dynamic control flow is legal as long as
-all ranks take the same path).
+16-byte all-reduce per unit collective, once, and is the only check that runs *before* a
+collective, so the only one that also catches units of different sizes. In every iteration
+(the first included) each unit collective also carries an order tag in its own payload,
+compared after it completes: see [Note: order check] in ``_order_check``. Later iterations
+also compare the local forward order against the recorded one and warn once on a deviation
+(dynamic control flow is legal as long as all ranks take the same path).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import torch.distributed as dist
 
 from . import _collectives
+from ._order_check import OrderChecker
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,6 +61,8 @@ class ExecOrder:
         self.graph_order: list[nn.Module] = []
         self._forward_pos = 0
         self._warned = False
+        # Codes and comparison of the in-payload order tags. See [Note: order check].
+        self.checker = OrderChecker([s.fqn for s in states])
 
     # ------------------------------------------------------------------ recording
     def record_pre_forward(self, state: FSDPState) -> None:
@@ -82,7 +88,9 @@ class ExecOrder:
             self.post_forward_order.append(state)
 
     def start_forward(self) -> None:
+        """Called when the root's forward starts: a new iteration."""
         self._forward_pos = 0
+        self.checker.begin_iteration()
 
     def finish_forward(self) -> None:
         """Called when the root's forward ends; fixes the graph order after the first one."""
@@ -94,8 +102,13 @@ class ExecOrder:
             state.graph_index = i
 
     def finish_iteration(self) -> None:
+        """Called when the root's backward (or a forward without grad) ends.
+
+        Compares the order tags deferred on CUDA (see [Note: order check]).
+        """
         if not self.recording:
             self.validating = False
+        self.checker.flush()
 
     # ------------------------------------------------------------------ prefetch targets
     def next_to_forward(self, state: FSDPState) -> FSDPState | None:

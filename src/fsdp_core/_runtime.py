@@ -50,6 +50,7 @@ __all__ = [
     "FSDPState",
     "RuntimeConfig",
     "clean_fqn",
+    "set_order_tags",
     "state_of",
     "states_in",
 ]
@@ -151,6 +152,9 @@ class FSDPState:
         self._expects_backward = False
         self._final_callback_queued = False  # root only
         self._hooked_params: set[ShardedParam] = set()  # with a post-accumulate-grad hook
+        # Whether the unit's collectives carry order tags; off only to measure their cost (see
+        # ``set_order_tags``).
+        self.tag_collectives = True
         self._register_post_backward_hooks()
 
     @property
@@ -187,8 +191,11 @@ class FSDPState:
             states.append(state)
         self.all_states = states
         order = ExecOrder(states)
-        for state in states:
+        for index, state in enumerate(states):
             state.exec_order = order
+            if state.unit is not None and state.tag_collectives:
+                # See [Note: order check].
+                state.unit.order_tags = order.checker.for_unit(index, state.unit.group)
         self._validate_offloaded_devices()
         for state in states:
             policy = state.config.mixed_precision
@@ -423,6 +430,27 @@ class FSDPState:
         if self.root is None:
             raise AssertionError(f"[rank {self._rank}] FSDP state used before lazy init")
         return self.root
+
+
+def set_order_tags(module: nn.Module, *, enabled: bool) -> None:
+    """For measurement only: turn the in-payload order check of ``module``'s FSDP tree on or off.
+
+    ``benchmarks/core_vs_fsdp2.py --order-check-cost`` steps a copy of the model with the check
+    off next to one with it on to measure what the check costs. Training with it off loses the
+    protection of [Note: order check] after the first iteration. Call it between steps, on
+    every rank alike (the tags change the collectives' sizes).
+
+    Args:
+        module: an FSDP instance or a module containing some.
+        enabled: ``True`` (the default state) tags every unit collective, ``False`` none.
+    """
+    for state in states_in(module):
+        state.tag_collectives = enabled
+        unit, order = state.unit, state.exec_order
+        if unit is None or order is None:
+            continue  # lazy init has not run yet: it reads ``tag_collectives``
+        index = order.states.index(state)
+        unit.order_tags = order.checker.for_unit(index, unit.group) if enabled else None
 
 
 def clean_fqn(name: str) -> str:

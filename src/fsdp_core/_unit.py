@@ -14,7 +14,9 @@ The data path of an unshard is: flat shard -> [copy to the compute device, with 
 [cast to ``param_dtype``, with mixed precision] -> all-gather (skipped when replicated) -> copy
 out into each unsharded parameter. A reduction goes: unsharded gradients -> reduce buffer in
 ``reduce_dtype``, pre-divided -> reduce-scatter or all-reduce -> [cast to the gradient dtype]
--> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``.
+-> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``. Both collectives
+carry an order tag after the data once the root has given the unit its ``order_tags``; see
+[Note: order check] in ``_order_check``.
 
 [Note: CPU offload]
 With ``CPUOffload(offload_params=True)`` the flat shard buffer (so every sharded parameter and
@@ -46,12 +48,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives, events
+from . import _collectives, _order_check, events
+from ._order_check import TagOp, UnitTags
 from ._param import ParamSpec, ShardedParam
 from ._precision import UnitPrecision
 from ._streams import CudaStreams
 
 __all__ = ["FSDPUnit"]
+
+# The tag an unshard's all-gather carries, by the reason of the unshard.
+_GATHER_OPS: dict[events.UnshardReason, TagOp] = {
+    "forward": TagOp.FORWARD_GATHER,
+    "forward_prefetch": TagOp.FORWARD_GATHER,
+    "backward": TagOp.BACKWARD_GATHER,
+    "backward_prefetch": TagOp.BACKWARD_GATHER,
+    "explicit": TagOp.EXPLICIT_GATHER,
+}
 
 
 class FSDPUnit:
@@ -87,9 +99,10 @@ class FSDPUnit:
         self.name = type(module).__name__  # the FQN once the root is known
         self.is_unsharded = False
         self.group_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
         self.replicate = replicate or self.group_size == 1
         self._shard_world = 1 if self.replicate else self.group_size
-        shard_rank = 0 if self.replicate else dist.get_rank(group)
+        shard_rank = 0 if self.replicate else self.group_rank
 
         first = specs[0].param
         self.dtype = first.dtype  # of the sharded parameters
@@ -114,14 +127,24 @@ class FSDPUnit:
         # Pinned host memory only pays off (and only exists) with an accelerator.
         self._pin = offload_params and torch.cuda.is_available() and self.device.type == "cuda"
         self.streams: CudaStreams | None = None  # set by the root at lazy init on CUDA
+        # Set by the root at lazy init; None: collectives go untagged. See [Note: order check].
+        self.order_tags: UnitTags | None = None
         alias = self.replicate and not offload_params and not self.precision.casts_params
 
         numels = [
             -(-s.param.shape[0] // self._shard_world) * math.prod(s.param.shape[1:]) for s in specs
         ]
-        self._flat_shard = torch.empty(  # 1D, padded; every sharded parameter is a view into it
-            sum(numels), dtype=self.dtype, device=shard_device, pin_memory=self._pin
+        # The flat shard and two spare elements for the all-gather's order tag, so that an
+        # all-gather in the shard's dtype and device sends this buffer without a copy.
+        self._flat_send = torch.empty(  # 1D: flat shard, then GATHER_TAG_NUMEL elements
+            sum(numels) + _order_check.GATHER_TAG_NUMEL,
+            dtype=self.dtype,
+            device=shard_device,
+            pin_memory=self._pin,
         )
+        self._flat_send[sum(numels) :].zero_()
+        # 1D, padded; every sharded parameter is a view into it.
+        self._flat_shard = self._flat_send[: sum(numels)]
         self.params: list[ShardedParam] = []
         offset = 0
         for spec, numel in zip(specs, numels, strict=True):
@@ -163,13 +186,14 @@ class FSDPUnit:
             return
         if not self._aliased:
             streams = self.streams
+            op = _GATHER_OPS[reason]
             if streams is None:
-                self._gathered = self._gather(self.precision.param_dtype)
+                self._gathered = self._gather(self.precision.param_dtype, op)
                 self._copy_out()
             else:
                 streams.before_all_gather()
                 with torch.cuda.stream(streams.all_gather):
-                    self._gathered = self._gather(self.precision.param_dtype)
+                    self._gathered = self._gather(self.precision.param_dtype, op)
                     self._gathered_event = streams.all_gather.record_event()
         for p in self.params:
             p.use_unsharded()
@@ -243,20 +267,34 @@ class FSDPUnit:
         streams.hold_reduce_input(reduce_input, done)
 
     # ------------------------------------------------------------------ data path
-    def _gather(self, dtype: torch.dtype) -> torch.Tensor:
+    def _gather(self, dtype: torch.dtype, op: TagOp | None = None) -> torch.Tensor:
         """The flat shard on the compute device in ``dtype``, gathered over the group.
 
         Returns a 1D tensor of ``shard_world`` blocks; for a replicated unit, the one block.
+        With ``op`` and order tags, each block ends with its rank's tag (see [Note: order
+        check]); the parameters' data is at the same offsets either way.
         """
-        shard = self._flat_shard
+        tags = None
+        if op is not None and not self.replicate and _order_check.carries_tags(dtype):
+            tags = self.order_tags
+        slots = _order_check.GATHER_TAG_NUMEL if tags is not None else 0
+        numel = self._flat_shard.numel()
         if self.offload_params:
-            shard = self._copy_to_device(shard)
-        if shard.dtype != dtype:
-            shard = shard.to(dtype)
+            send = self._copy_to_device(self._flat_shard, extra=slots)
+        else:
+            send = self._flat_send[: numel + slots]
+        if send.dtype != dtype:
+            send = send.to(dtype)  # the spare elements too: they are written below
         if self.replicate:
-            return shard
-        gathered = torch.empty(self.group_size * shard.numel(), dtype=dtype, device=self.device)
-        _collectives.all_gather_flat(gathered, shard, self.group, unit=self.name)
+            return send
+        gathered = torch.empty(self.group_size * send.numel(), dtype=dtype, device=self.device)
+        if tags is None or op is None:
+            _collectives.all_gather_flat(gathered, send, self.group, unit=self.name)
+            return gathered
+        code = tags.code(op)
+        _order_check.write_gather_tag(send, code)
+        _collectives.all_gather_flat(gathered, send, self.group, unit=self.name)
+        tags.check(code, gathered.view(self.group_size, -1)[:, numel:].reshape(-1))
         return gathered
 
     def _copy_out(self) -> None:
@@ -271,10 +309,22 @@ class FSDPUnit:
             offset += p.shard_numel
         self._gathered = self._gathered_event = None
 
+    def _reduce_tags(self) -> UnitTags | None:
+        """The order tags a reduction carries now, if any. See [Note: order check]."""
+        if self.group_size == 1 or not _order_check.carries_tags(self.precision.reduce_dtype):
+            return None
+        return self.order_tags
+
     def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """``(shard_world, grad numel)`` in ``reduce_dtype``, zero padded and pre-divided."""
+        """``(shard_world, grad numel [+ tag])`` in ``reduce_dtype``, zero padded, pre-divided.
+
+        With order tags each row ends with one digit pair per rank, all zero until
+        :meth:`_reduce` writes this rank's; see [Note: order check].
+        """
+        tags = self._reduce_tags()
+        slots = _order_check.reduce_tag_numel(self.group_size) if tags is not None else 0
         full = torch.zeros(
-            (self._shard_world, self._grad_numel),
+            (self._shard_world, self._grad_numel + slots),
             dtype=self.precision.reduce_dtype,
             device=self.device,
         )
@@ -289,13 +339,24 @@ class FSDPUnit:
         """This rank's summed gradient shard (1D, grad numel) from the pre-divided input."""
         if self.group_size == 1:
             return reduce_input.view(-1)
+        numel = self._grad_numel
+        # The input has tag columns iff ``_reduce_input`` saw order tags.
+        tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
+        code = tags.code(TagOp.REDUCE) if tags is not None else 0
+        if tags is not None:
+            _order_check.write_reduce_tag(reduce_input, code, self.group_rank, self.group_size)
         if self.replicate:
-            flat = reduce_input.view(-1)
-            _collectives.all_reduce_flat(flat, self.group, unit=self.name)
-            return flat
-        reduced = torch.empty(self._grad_numel, dtype=reduce_input.dtype, device=self.device)
-        _collectives.reduce_scatter_flat(reduced, reduce_input.view(-1), self.group, unit=self.name)
-        return reduced
+            reduced = reduce_input.view(-1)
+            _collectives.all_reduce_flat(reduced, self.group, unit=self.name)
+        else:
+            row = reduce_input.shape[1]
+            reduced = torch.empty(row, dtype=reduce_input.dtype, device=self.device)
+            _collectives.reduce_scatter_flat(
+                reduced, reduce_input.view(-1), self.group, unit=self.name
+            )
+        if tags is not None:
+            tags.check(code, reduced[numel:])
+        return reduced[:numel]
 
     def _store_grads(self, reduced: torch.Tensor) -> None:
         grad = reduced.to(self.precision.grad_dtype)
@@ -305,10 +366,14 @@ class FSDPUnit:
             p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
 
     # ------------------------------------------------------------------ offload copies
-    def _copy_to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A copy of ``host`` on the compute device (made even if that is the CPU)."""
+    def _copy_to_device(self, host: torch.Tensor, *, extra: int = 0) -> torch.Tensor:
+        """A copy of 1D ``host`` on the compute device (made even if that is the CPU).
+
+        The copy is followed by ``extra`` uninitialized elements (default none).
+        """
         # Allocated on the calling stream (the all-gather stream on CUDA), which reuses it.
-        device_copy = torch.empty_like(host, device=self.device)
+        buffer = torch.empty(host.numel() + extra, dtype=host.dtype, device=self.device)
+        device_copy = buffer[: host.numel()]
         streams = self.streams
         if streams is None:
             device_copy.copy_(host)
@@ -319,7 +384,7 @@ class FSDPUnit:
                 device_copy.copy_(host, non_blocking=True)
             current.wait_stream(streams.offload)
         self._publish_offload("to_device", device_copy)
-        return device_copy
+        return buffer
 
     def _copy_to_host(self, grad: torch.Tensor) -> torch.Tensor:
         """A CPU copy of the reduced gradient shard ``grad``, complete when this returns."""

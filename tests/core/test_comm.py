@@ -76,7 +76,9 @@ def test_full_shard_collectives_per_step(rank, world_size, process_group):
     """FULL_SHARD: a non-root unit all-gathers twice and reduce-scatters once per step.
 
     The root keeps its parameters from forward to backward, so it gathers once. The bytes
-    gathered equal the padded unsharded size of each unit times its number of gathers.
+    gathered equal the padded unsharded size of each unit times its number of gathers, and the
+    bytes reduced its padded size once, each plus the order tag (see [Note: order check]): two
+    elements per rank after each rank's block, two per rank after each row of the reduction.
     """
     gather_op = (
         "all_gather_single" if hasattr(dist, "all_gather_single") else ("all_gather_into_tensor")
@@ -91,6 +93,8 @@ def test_full_shard_collectives_per_step(rank, world_size, process_group):
     for name, p in build("nested", rank).named_parameters():
         rows = math.ceil(p.shape[0] / world_size) * world_size
         unit_bytes["block" if name.startswith("block.") else ""] += rows * p[0].numel() * 4
+    gather_tag = world_size * 2 * 4
+    reduce_tag = world_size * (2 * world_size) * 4
     for backward_prefetch in [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]:
         for forward_prefetch in [False, True]:
             model = wrap_model(
@@ -113,12 +117,18 @@ def test_full_shard_collectives_per_step(rank, world_size, process_group):
                 assert counts[gather_op] == 3 and counts[reduce_op] == 2
                 # The first step adds one order check (an all-reduce) per unit collective.
                 assert counts["all_reduce"] == (5 if step == 0 else 0)
-                gathered = Counter()
+                gathered, reduced = Counter(), Counter()
                 for e in seen:
                     if isinstance(e, events.Collective) and e.op == gather_op:
                         gathered[e.unit] += e.bytes
                         assert e.group_size == world_size and e.dtype == "float32"
-                assert gathered == {"block": 2 * unit_bytes["block"], "": unit_bytes[""]}
+                    elif isinstance(e, events.Collective) and e.op == reduce_op:
+                        reduced[e.unit] += e.bytes
+                assert gathered == {
+                    "block": 2 * (unit_bytes["block"] + gather_tag),
+                    "": unit_bytes[""] + gather_tag,
+                }
+                assert reduced == {u: unit_bytes[u] + reduce_tag for u in ("block", "")}
 
 
 def _backward_trace(seen: list[events.Event]) -> list[str]:

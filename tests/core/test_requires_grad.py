@@ -80,7 +80,9 @@ def test_parameters_frozen_after_wrapping_match_ddp(rank, world_size, process_gr
             for n, shape in shapes.items()
             if not _is_frozen(n) and n.startswith("block.") == (e.unit == "block")
         ]
-        assert e.bytes == sum(_padded_numel(s, shard_world) for s in trainable) * 4, e
+        # Plus the order tag: two elements per rank after each row (see [Note: order check]).
+        tag = shard_world * 2 * world_size
+        assert e.bytes == (sum(_padded_numel(s, shard_world) for s in trainable) + tag) * 4, e
 
 
 @pytest.mark.distributed(world_size=2)
