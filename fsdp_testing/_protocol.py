@@ -97,12 +97,14 @@ class Task:
         kwargs: keyword arguments, where :class:`RankFixture` values are filled in on the rank.
         test_id: shown in reports.
         tbstyle: pytest's ``--tb`` style for tracebacks formatted on the rank.
+        faults: ``fsdp_testing.faults.Fault`` objects to inject while the body runs.
     """
 
     target: Any
     kwargs: dict[str, Any]
     test_id: str
     tbstyle: str = "auto"
+    faults: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass

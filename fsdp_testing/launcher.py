@@ -146,6 +146,11 @@ def run_distributed(
     """
     backend = resolve_backend(spec, settings.backend)
     timeout = spec.timeout if spec.timeout is not None else settings.timeout
+    if spec.faults:
+        from fsdp_testing.faults import validate_for_mode
+
+        validate_for_mode(spec.faults, spec.mode.value, spec.world_size)
+        task = dataclasses.replace(task, faults=spec.faults)
     obs = get_launcher(spec.mode).run(
         task,
         world_size=spec.world_size,

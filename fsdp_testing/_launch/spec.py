@@ -16,7 +16,9 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 120.0
 KNOWN_BACKENDS = ("gloo", "nccl", "fake", "threaded")
-MARKER_SIGNATURE = "distributed(world_size=2, *, backend=None, mode='process', timeout=None)"
+MARKER_SIGNATURE = (
+    "distributed(world_size=2, *, backend=None, mode='process', timeout=None, faults=())"
+)
 
 
 class Mode(str, enum.Enum):
@@ -40,12 +42,15 @@ class DistSpec:
         mode: see :class:`Mode`.
         timeout: seconds before the test is failed and its ranks are stopped; None for the
             configured default.
+        faults: faults to inject (``fsdp_testing.faults``); checked against the mode and the
+            world size when the test runs, so a bad one fails that test alone.
     """
 
     world_size: int
     backend: str | None = None
     mode: Mode = Mode.PROCESS
     timeout: float | None = None
+    faults: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -72,6 +77,15 @@ class DistSpec:
                 f"distributed marker: timeout must be a positive number of seconds, got "
                 f"{self.timeout!r}"
             )
+        if self.faults:
+            from fsdp_testing.faults import Fault
+
+            bad = [f for f in self.faults if not isinstance(f, Fault)]
+            if bad:
+                raise TypeError(
+                    f"distributed marker: faults must be made by fsdp_testing.faults.kill/fail/"
+                    f"delay/hang, got {bad[0]!r}"
+                )
 
 
 def _signature(
@@ -80,7 +94,8 @@ def _signature(
     backend: str | None = None,
     mode: str = "process",
     timeout: float | None = None,
-) -> tuple[list[int] | None, str | None, Mode, float | None]:
+    faults: Any = (),
+) -> tuple[list[int] | None, str | None, Mode, float | None, tuple[Any, ...]]:
     sizes: list[int] | None = None
     if isinstance(world_size, (list, tuple)):
         if not world_size:
@@ -95,7 +110,12 @@ def _signature(
             f"distributed marker: unknown mode {mode!r}; use one of "
             f"{', '.join(m.value for m in Mode)}"
         ) from None
-    return sizes, backend, parsed_mode, timeout
+    if not isinstance(faults, (list, tuple)):
+        raise TypeError(
+            f"distributed marker: faults must be a list of faults (fsdp_testing.faults.kill/fail/"
+            f"delay/hang), got {faults!r}"
+        )
+    return sizes, backend, parsed_mode, timeout, tuple(faults)
 
 
 def parse_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistSpec]:
@@ -105,14 +125,14 @@ def parse_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistSpec
     ``ValueError`` for values out of range.
     """
     try:
-        sizes, backend, mode, timeout = _signature(*args, **kwargs)
+        sizes, backend, mode, timeout, faults = _signature(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(
             f"malformed marker {MARKER_SIGNATURE.split('(')[0]}{_fmt_call(args, kwargs)}: "
             f"{exc}. Accepted arguments: {MARKER_SIGNATURE}"
         ) from None
     assert sizes is not None
-    return [DistSpec(ws, backend, mode, timeout) for ws in sizes]
+    return [DistSpec(ws, backend, mode, timeout, faults) for ws in sizes]
 
 
 def _fmt_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from fsdp_testing._protocol import RankResult, Task
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
+from fsdp_testing._report import collective_log
 from fsdp_testing._report.verdict import Observation
 
 __all__ = ["TorchrunLauncher", "in_launched_job", "launched_rank", "launched_world_size"]
@@ -44,6 +45,7 @@ class TorchrunLauncher:
     def __init__(self) -> None:
         self._ctx: RankContext | None = None
         self._results_group: Any = None
+        self._recorder: collective_log.FlightRecorder = collective_log.FlightRecorder()
 
     def _join(self, backend: str, timeout: float) -> RankContext:
         import torch
@@ -59,6 +61,9 @@ class TorchrunLauncher:
         if backend == "nccl":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
+        recorder = collective_log.FlightRecorder()
+        collective_log.install(lambda: recorder)
+        self._recorder = recorder
         return RankContext(rank, world_size, dist.group.WORLD, device, backend)
 
     def run(
@@ -75,6 +80,7 @@ class TorchrunLauncher:
             )
         if self._ctx is None:
             self._ctx = self._join(backend, timeout)
+        self._recorder.reset()
         result = run_task(task, self._ctx, router=None)
         gathered: list[RankResult | None] = [None] * world_size
         dist.all_gather_object(gathered, result, group=self._results_group)

@@ -4,9 +4,11 @@ formatting a failure the way pytest would. Shared by every launch mode.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import unittest
+from collections.abc import Iterator
 
 from fsdp_testing._protocol import FunctionRef, Outcome, RankFixture, RankResult, Task
 from fsdp_testing._rank.capture import CaptureRouter
@@ -49,6 +51,25 @@ def _is_comm_error(exc: BaseException) -> bool:
     return any(marker in text for marker in _COMM_ERROR_MARKERS)
 
 
+@contextlib.contextmanager
+def _faults_injected(task: Task, ctx: RankContext) -> Iterator[None]:
+    """Install the marker's faults on this rank's collective log while the body runs."""
+    if not task.faults:
+        yield
+        return
+    from fsdp_testing._report.collective_log import current_recorder
+    from fsdp_testing.faults import FaultPlan
+
+    recorder = current_recorder()
+    if recorder is None:  # pragma: no cover - every launcher installs a collective log
+        raise AssertionError(f"[rank {ctx.rank}] faults given but no collective log installed")
+    recorder.faults = FaultPlan(ctx.rank, task.faults)
+    try:
+        yield
+    finally:
+        recorder.faults = None
+
+
 def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> RankResult:
     """Run ``task`` on the rank described by ``ctx`` and report how it went."""
     from _pytest.outcomes import Skipped, XFailed
@@ -65,10 +86,11 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
             k: ctx.value(v.name) if isinstance(v, RankFixture) else v
             for k, v in task.kwargs.items()
         }
-        if hasattr(target, "run_on_rank"):
-            target.run_on_rank(ctx, **kwargs)
-        else:
-            target(**kwargs)
+        with _faults_injected(task, ctx):
+            if hasattr(target, "run_on_rank"):
+                target.run_on_rank(ctx, **kwargs)
+            else:
+                target(**kwargs)
     except (Skipped, unittest.SkipTest) as exc:
         result.outcome = Outcome.SKIPPED
         result.message = str(getattr(exc, "msg", None) or exc)

@@ -26,6 +26,7 @@ from fsdp_testing.collectives import COLLECTIVE_NAMES
 __all__ = [
     "RECORDED_OPS",
     "FlightRecorder",
+    "current_recorder",
     "install",
     "read_record_file",
     "uninstall",
@@ -48,6 +49,8 @@ class FlightRecorder:
         self.capacity = capacity
         self.entries: list[dict[str, Any]] = []
         self._seq: dict[str, int] = {}
+        self.faults: Any = None
+        """The rank's :class:`fsdp_testing.faults.FaultPlan` while faults are injected."""
         self._mm: mmap.mmap | None = None
         if path is not None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -61,6 +64,7 @@ class FlightRecorder:
         """Forget the entries and sequence numbers (a new test starts)."""
         self.entries.clear()
         self._seq.clear()
+        self.faults = None
         self._flush()
 
     def enter(self, op: str, group: str, shapes: list[list[int]], dtype: str | None) -> dict:
@@ -80,6 +84,13 @@ class FlightRecorder:
             del self.entries[0]
         self._flush()
         return entry
+
+    def note_fault(self, entry: dict[str, Any]) -> None:
+        """Record an injected fault (an entry with a ``"fault"`` key, outside the sequence)."""
+        self.entries.append(entry)
+        if len(self.entries) > self.capacity:
+            del self.entries[0]
+        self._flush()
 
     def finish(self, entry: dict, state: str) -> None:
         entry["state"] = state
@@ -153,6 +164,8 @@ def _wrap(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         rec = _lookup()
         if rec is None:
             return fn(*args, **kwargs)
+        if rec.faults is not None:
+            rec.faults.before(op, rec.note_fault)
         group, shapes, dtype = _describe_args(args, kwargs)
         entry = rec.enter(op, group, shapes, dtype)
         try:
@@ -165,6 +178,11 @@ def _wrap(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     recorded.__wrapped_collective__ = fn  # type: ignore[attr-defined]
     return recorded
+
+
+def current_recorder() -> FlightRecorder | None:
+    """The calling rank's recorder, or None outside a distributed test."""
+    return _lookup()
 
 
 def install(lookup: Callable[[], FlightRecorder | None]) -> None:

@@ -7,7 +7,18 @@ from typing import Any
 
 from fsdp_testing.collectives import family_of
 
-__all__ = ["describe_divergence", "format_records"]
+__all__ = ["collectives_only", "describe_divergence", "format_records", "injected_faults"]
+
+
+def collectives_only(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The collective entries of a log, without the notes of injected faults."""
+    return [e for e in entries if "fault" not in e]
+
+
+def injected_faults(records: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+    """Per rank, the faults that ``fsdp_testing.faults`` injected (``{"fault", "where"}``)."""
+    found = {r: [e for e in entries if "fault" in e] for r, entries in records.items()}
+    return {r: faults for r, faults in found.items() if faults}
 
 
 def _family(e: dict[str, Any]) -> str:
@@ -25,6 +36,7 @@ def describe_divergence(records: dict[int, list[dict[str, Any]]]) -> list[str]:
     Compares, per process group, how far each rank got: a rank blocked in ``op #k`` while a
     peer never entered ``#k`` (or entered another op as ``#k``) is the usual cause of a hang.
     """
+    records = {r: collectives_only(entries) for r, entries in records.items()}
     lines: list[str] = []
     groups = sorted({e["group"] for entries in records.values() for e in entries})
     for group in groups:
@@ -68,7 +80,7 @@ def format_records(records: dict[int, list[dict[str, Any]]], last: int = 5) -> l
     """The last ``last`` collectives of each rank, one line each."""
     out: list[str] = []
     for rank in sorted(records):
-        entries = records[rank][-last:]
+        entries = collectives_only(records[rank])[-last:]
         if not entries:
             out.append(f"  rank {rank}: no collectives recorded")
             continue

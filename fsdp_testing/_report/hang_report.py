@@ -8,7 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fsdp_testing._protocol import Outcome
-from fsdp_testing._report.divergence import describe_divergence, format_records
+from fsdp_testing._report.divergence import (
+    describe_divergence,
+    format_records,
+    injected_faults,
+)
 from fsdp_testing._report.text import rank_heading, ranks_phrase
 
 if TYPE_CHECKING:
@@ -41,6 +45,10 @@ def timeout_report(obs: Observation) -> str:
         f"timed out after {obs.timeout:g} s: {ranks_phrase(running)} still running "
         f"(of world size {obs.world_size})"
     ]
+    for rank, faults in sorted(injected_faults(obs.records).items()):
+        for fault in faults:
+            if fault["fault"] == "hang":
+                parts.append(f"rank {rank} hangs at {fault['where']} (injected by faults.hang)")
     if obs.unstoppable:
         parts.append(
             f"{ranks_phrase(sorted(obs.unstoppable))} could not be stopped (blocked outside Python)"

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 
 from fsdp_testing._protocol import Outcome, RankResult
+from fsdp_testing._report.divergence import injected_faults
 from fsdp_testing._report.hang_report import timeout_report, trim_stack
 from fsdp_testing._report.text import rank_heading, ranks_phrase
 
@@ -91,9 +92,14 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
     aborted = (set(failed) | obs.stragglers) - causes
     parts: list[str] = []
     headline = []
+    faults = injected_faults(obs.records)
     for rank in sorted(causes):
         if rank in obs.dead:
-            headline.append(f"rank {rank} {obs.exit_status.get(rank, 'exited')}")
+            died = f"rank {rank} {obs.exit_status.get(rank, 'exited')}"
+            kills = [f for f in faults.get(rank, ()) if f["fault"] == "kill"]
+            if kills:
+                died += f" at {kills[-1]['where']} (injected by faults.kill)"
+            headline.append(died)
         else:
             headline.append(f"rank {rank} failed: {failed[rank].summary}")
     text = "; ".join(headline)

@@ -1,0 +1,232 @@
+"""Fault injection: make one rank die, raise, stall or hang at its k-th collective, on purpose,
+to test that the code under test (and the harness) handles it.
+
+Two ways to use it::
+
+    @pytest.mark.distributed(world_size=2, faults=[faults.kill(rank=1, at=3)])
+    def test_survives_a_dead_peer(rank): ...
+
+    @pytest.mark.distributed(world_size=2)
+    def test_slow_rank(rank):
+        with faults.inject(faults.delay(rank=0, at=1, ms=200)):
+            ...
+
+``at`` is 1-based and counts the rank's collectives from the start of the test (marker) or of
+the ``with`` block: every collective, or only those of ``op`` (a family of
+:mod:`fsdp_testing.collectives`: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``,
+``"broadcast"``, ...; every spelling of a family counts as that family). The fault fires just
+before that collective starts; the report names the rank, the fault and the collective, e.g.
+``rank 1 killed by SIGKILL at all_gather #3``: the family of the collective the fault hit, and
+``at``, which counts every collective of the rank unless ``op`` names a family.
+
+- :func:`kill`: SIGKILL the rank's process (process mode only: thread ranks share one process
+  and cannot be killed, so a kill in thread or fake mode is refused with an error).
+- :func:`fail`: raise ``exc`` (default :class:`InjectedFault`) on the rank.
+- :func:`delay`: sleep ``ms`` milliseconds, then run the collective: timing changes, results
+  do not, and the test passes.
+- :func:`hang`: block until the harness stops the rank at the test's timeout.
+
+Nothing here imports torch at import time, so faults can be named in markers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fsdp_testing.collectives import COLLECTIVE_FAMILIES, family_of
+
+__all__ = [
+    "Fault",
+    "FaultKind",
+    "InjectedFault",
+    "delay",
+    "fail",
+    "hang",
+    "inject",
+    "kill",
+]
+
+
+class FaultKind(str, enum.Enum):
+    """What happens to the rank."""
+
+    KILL = "kill"
+    """SIGKILL the rank's process."""
+    FAIL = "fail"
+    """Raise an exception on the rank."""
+    DELAY = "delay"
+    """Sleep, then run the collective."""
+    HANG = "hang"
+    """Block until the harness stops the rank."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class InjectedFault(RuntimeError):
+    """Raised on a rank by :func:`fail` (unless another exception was given)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault: ``kind`` on rank ``rank`` at its ``at``-th collective (of family ``op``).
+
+    Build faults with :func:`kill`, :func:`fail`, :func:`delay` and :func:`hang`.
+    """
+
+    kind: FaultKind
+    rank: int
+    at: int
+    op: str | None = None
+    """A collective family, or None to count every collective."""
+    ms: float = 0.0
+    """Delay in milliseconds (delay faults only)."""
+    exc: BaseException | None = None
+    """What a fail fault raises (None: :class:`InjectedFault`)."""
+
+    def __post_init__(self) -> None:
+        api = f"faults.{self.kind.value}"
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"{api}: rank must be a rank number >= 0, got {self.rank!r}")
+        if isinstance(self.at, bool) or not isinstance(self.at, int) or self.at < 1:
+            raise ValueError(
+                f"{api}: at must be the 1-based index of the rank's collective (1 is its first "
+                f"collective), got {self.at!r}"
+            )
+        if self.op is not None and self.op not in COLLECTIVE_FAMILIES:
+            family = family_of(self.op) if isinstance(self.op, str) else None
+            hint = f" (did you mean op={family!r}?)" if family else ""
+            raise ValueError(
+                f"{api}: op must be a collective family, one of "
+                f"{', '.join(sorted(COLLECTIVE_FAMILIES))}, or None for every collective; got "
+                f"{self.op!r}{hint}"
+            )
+        if self.kind is FaultKind.DELAY and not (
+            isinstance(self.ms, (int, float)) and not isinstance(self.ms, bool) and self.ms >= 0
+        ):
+            raise ValueError(f"{api}: ms must be a number of milliseconds >= 0, got {self.ms!r}")
+        if self.exc is not None and not isinstance(self.exc, BaseException):
+            raise TypeError(
+                f"{api}: exc must be an exception instance (e.g. RuntimeError('boom')), got "
+                f"{self.exc!r}"
+            )
+
+
+
+def kill(rank: int, at: int, *, op: str | None = None) -> Fault:
+    """SIGKILL rank ``rank`` just before its ``at``-th collective (of family ``op``)."""
+    return Fault(FaultKind.KILL, rank, at, op)
+
+
+def fail(rank: int, at: int, *, op: str | None = None, exc: BaseException | None = None) -> Fault:
+    """Raise ``exc`` (default :class:`InjectedFault`) on rank ``rank`` just before its
+    ``at``-th collective (of family ``op``)."""
+    return Fault(FaultKind.FAIL, rank, at, op, exc=exc)
+
+
+def delay(rank: int, at: int, ms: float, *, op: str | None = None) -> Fault:
+    """Sleep ``ms`` milliseconds on rank ``rank`` before its ``at``-th collective (of family
+    ``op``); the collective then runs normally."""
+    return Fault(FaultKind.DELAY, rank, at, op, ms=ms)
+
+
+def hang(rank: int, at: int, *, op: str | None = None) -> Fault:
+    """Block rank ``rank`` before its ``at``-th collective (of family ``op``) until the harness
+    stops it at the test's timeout."""
+    return Fault(FaultKind.HANG, rank, at, op)
+
+
+def validate_for_mode(faults: tuple[Fault, ...], mode: str, world_size: int) -> None:
+    """Refuse faults that cannot happen in ``mode`` at ``world_size`` (decided in the parent)."""
+    for fault in faults:
+        if fault.kind is FaultKind.KILL and mode != "process":
+            raise ValueError(
+                f"faults.kill(rank={fault.rank}): {mode} ranks are threads of one process and "
+                "cannot be killed; use mode='process', or faults.fail(...) to make the rank "
+                "raise instead"
+            )
+        if fault.rank >= world_size:
+            raise ValueError(
+                f"faults.{fault.kind.value}(rank={fault.rank}): the test has world_size="
+                f"{world_size}, so ranks are 0..{world_size - 1}"
+            )
+
+
+class FaultPlan:
+    """The faults of one rank, counting its collectives (installed on its collective log)."""
+
+    def __init__(self, rank: int, faults: tuple[Fault, ...]) -> None:
+        self.rank = rank
+        self.faults = [f for f in faults if f.rank == rank]
+        self._counts: dict[str | None, int] = {}
+
+    def before(self, op: str, note: Any) -> None:
+        """Called just before collective ``op`` (a ``torch.distributed`` name) starts;
+        ``note(dict)`` records a fault in the rank's collective log."""
+        family = family_of(op) or op
+        self._counts[None] = self._counts.get(None, 0) + 1
+        self._counts[family] = self._counts.get(family, 0) + 1
+        for fault in self.faults:
+            if fault.op is not None and fault.op != family:
+                continue  # only a call of the fault's family can be its at-th
+            if self._counts[fault.op] != fault.at:
+                continue
+            where = f"{family} #{fault.at}"
+            note({"fault": fault.kind.value, "op": op, "where": where, "t": time.time()})
+            self._fire(fault, where)
+
+    def _fire(self, fault: Fault, where: str) -> None:
+        if fault.kind is FaultKind.DELAY:
+            time.sleep(fault.ms / 1000.0)
+        elif fault.kind is FaultKind.FAIL:
+            if fault.exc is not None:
+                raise fault.exc
+            raise InjectedFault(f"rank {self.rank}: injected failure at {where} (faults.fail)")
+        elif fault.kind is FaultKind.KILL:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError(
+                    f"faults.kill(rank={self.rank}): this rank is a thread and cannot be killed; "
+                    "use mode='process', or faults.fail(...)"
+                )
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.HANG:
+            while True:  # short sleeps: a thread rank can still be stopped by the harness
+                time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def inject(*faults: Fault) -> Iterator[None]:
+    """Inject ``faults`` into the collectives this rank runs inside the block (call it on every
+    rank; each rank takes the faults naming it). Only inside a distributed test."""
+    from fsdp_testing._report import collective_log
+
+    for fault in faults:
+        if not isinstance(fault, Fault):
+            raise TypeError(
+                f"faults.inject: expected faults made by faults.kill/fail/delay/hang, got {fault!r}"
+            )
+    recorder = collective_log.current_recorder()
+    if recorder is None:
+        raise RuntimeError(
+            "faults.inject: no collective log on this rank; inject faults inside a test marked "
+            "@pytest.mark.distributed (or a distributed unittest class)"
+        )
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if dist.get_backend() in ("threaded", "fake"):
+        validate_for_mode(faults, "thread", dist.get_world_size())
+    previous = recorder.faults
+    recorder.faults = FaultPlan(rank, tuple(faults))
+    try:
+        yield
+    finally:
+        recorder.faults = previous
