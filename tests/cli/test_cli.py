@@ -56,7 +56,7 @@ def test_check_small_matrix_passes_with_table_and_reports(tmp_path):
     assert "[1/4] ok" in out and "[4/4] ok" in out
     assert "nested FULL_SHARD BACKWARD_PRE offload=off mp=off fsdp_core  ok" in out
     # Two ranks: the sums are order independent, so parity is exact; bytes are the theory's.
-    assert "7 AG 3,664 B  4 RS 1,984 B  = theory" in out
+    assert "7 AG 3,776 B  4 RS 2,112 B  = theory" in out
     assert "4 ok, 0 mismatched, 0 errors, 0 unavailable" in out
 
     data = json.loads(report.read_text())
@@ -65,7 +65,7 @@ def test_check_small_matrix_passes_with_table_and_reports(tmp_path):
     assert row["label"] == "nested FULL_SHARD BACKWARD_PRE offload=off mp=off fsdp_core"
     assert row["loss_max_abs_diff"] == 0 and row["param_max_abs_diff"] == 0
     assert row["collectives_per_step"] == row["theory_per_step"]
-    assert row["collectives_per_step"]["all_gather"] == {"count": 7, "bytes": 3664}
+    assert row["collectives_per_step"]["all_gather"] == {"count": 7, "bytes": 3776}
     assert len(row["peak_rss_bytes"]) == 2 and min(row["peak_rss_bytes"]) > 10 * 2**20
     no_shard = next(r for r in data["rows"] if r["label"].startswith("nested NO_SHARD"))
     assert set(no_shard["collectives_per_step"]) == {"all_reduce"}
