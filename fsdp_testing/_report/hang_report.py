@@ -5,7 +5,12 @@ running, with the harness's own frames trimmed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import importlib.util
+import linecache
+import os
+import re
+from typing import TYPE_CHECKING, NamedTuple
 
 from fsdp_testing._protocol import Outcome
 from fsdp_testing._report.divergence import (
@@ -18,9 +23,98 @@ from fsdp_testing._report.text import rank_heading, ranks_phrase
 if TYPE_CHECKING:
     from fsdp_testing._report.verdict import Observation
 
-__all__ = ["timeout_report", "trim_stack"]
+__all__ = ["readable_stack", "timeout_report", "trim_stack"]
 
 _HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
+_TORCH_DIR = os.sep + "torch" + os.sep
+
+
+class _Frame(NamedTuple):
+    path: str
+    line: int
+    func: str
+
+
+def _is_harness(path: str) -> bool:
+    return any(m in path for m in _HARNESS_MARKERS)
+
+
+@functools.cache
+def _torch_dir() -> str:
+    spec = importlib.util.find_spec("torch")  # where torch lives, without importing it
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return os.path.join(locations[0], "") if locations else _TORCH_DIR
+
+
+def _is_torch(path: str) -> bool:
+    return path.startswith(_torch_dir()) or path.startswith("<frozen")
+
+
+def _threads(text: str) -> list[tuple[str, list[_Frame]]]:
+    """Split a stack dump into (heading, frames outermost first). faulthandler writes each
+    thread most recent call first; ``traceback.format_stack`` writes one stack outermost first."""
+    threads: list[tuple[str, list[_Frame]]] = []
+    heading, recent_first = "", False
+    frames: list[_Frame] = []
+    for raw in text.splitlines():
+        if _THREAD.match(raw.strip()):
+            if frames or heading:
+                threads.append((heading, frames[::-1] if recent_first else frames))
+            heading, frames, recent_first = raw.strip(), [], True
+            continue
+        match = _FRAME.match(raw)
+        if match:
+            frames.append(_Frame(match["path"], int(match["line"]), match["func"]))
+    if frames or heading:
+        threads.append((heading, frames[::-1] if recent_first else frames))
+    return threads
+
+
+def readable_stack(text: str) -> str:
+    """A stack dump as a person reads it: outermost call first, as in a traceback; the source
+    line under every frame (the dump is written from C while the rank is blocked, so the lines
+    are added here); the harness's frames dropped; runs of torch's own frames folded into one
+    line naming the outermost and innermost call. The thread that was running the test (the
+    one with test frames) comes first. Text that holds no frames is returned as it is."""
+    threads = _threads(text)
+    if not any(frames for _, frames in threads):
+        return text
+    rendered: list[tuple[bool, str]] = []
+    for heading, frames in threads:
+        kept = [f for f in frames if not _is_harness(f.path)]
+        if not kept:
+            continue
+        # Frames are now outermost first, as in a traceback.
+        lines = (
+            [heading.replace("most recent call first", "most recent call last")] if heading else []
+        )
+        i = 0
+        while i < len(kept):
+            frame = kept[i]
+            if _is_torch(frame.path):
+                j = i
+                while j < len(kept) and _is_torch(kept[j].path):
+                    j += 1
+                if j - i > 1:
+                    inner = kept[j - 1]
+                    lines.append(
+                        f"  ... {j - i} frames in torch: {frame.func} "
+                        f"({os.path.basename(frame.path)}:{frame.line}) -> {inner.func} "
+                        f"({os.path.basename(inner.path)}:{inner.line})"
+                    )
+                    i = j
+                    continue
+            lines.append(f'  File "{frame.path}", line {frame.line} in {frame.func}')
+            source = linecache.getline(frame.path, frame.line).strip()
+            if source:
+                lines.append(f"    {source}")
+            i += 1
+        has_test = any(not _is_torch(f.path) for f in kept)
+        rendered.append((has_test, "\n".join(lines)))
+    rendered.sort(key=lambda item: not item[0])  # stable: threads with test frames first
+    return "\n".join(text for _, text in rendered)
 
 
 def trim_stack(text: str) -> str:
@@ -29,7 +123,7 @@ def trim_stack(text: str) -> str:
     skipping = False
     for line in text.splitlines():
         if line.lstrip().startswith("File "):
-            skipping = any(m in line for m in _HARNESS_MARKERS)
+            skipping = _is_harness(line)
         elif not line.startswith("    "):
             skipping = False
         if not skipping:
@@ -59,7 +153,7 @@ def timeout_report(obs: Observation) -> str:
         parts.append("\nlast collectives per rank:")
         parts.extend(format_records(obs.records))
     for rank in running:
-        stack = trim_stack(obs.stacks.get(rank, "(none)")).rstrip()
+        stack = readable_stack(obs.stacks.get(rank, "(none)")).rstrip()
         parts.append(f"\n{rank_heading(rank)} stack when the timeout hit:\n{stack}")
     for rank, res in sorted(obs.results.items()):
         if res.outcome is Outcome.FAILED:

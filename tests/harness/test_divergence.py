@@ -119,3 +119,40 @@ def test_trim_stack_drops_the_harness_frames_and_keeps_the_test() -> None:
     assert '  File "/home/me/tests/test_model.py", line 12 in test_step' in trimmed
     assert "    dist.all_reduce(t)" in trimmed
     assert trimmed.splitlines()[0] == "Thread 0x00007f (most recent call first):"
+
+
+def test_readable_stack_orders_frames_adds_source_and_folds_torch(tmp_path) -> None:
+    import os
+
+    import torch
+
+    from fsdp_testing._report.hang_report import readable_stack
+
+    test_file = tmp_path / "test_model.py"
+    test_file.write_text("def test_step():\n    x = 1\n    dist.all_reduce(t)\n")
+    c10d = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
+    logger = os.path.join(os.path.dirname(torch.__file__), "distributed", "c10d_logger.py")
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+        "\n"
+        "Current thread 0x00007f00 (most recent call first):\n"
+        f'  File "{c10d}", line 4000 in all_reduce\n'
+        f'  File "{logger}", line 81 in wrapper\n'
+        f'  File "{test_file}", line 3 in test_step\n'
+        '  File "/site/fsdp_testing/_rank/run_task.py", line 80 in run_task\n'
+    )
+    lines = readable_stack(dump).splitlines()
+    assert lines == [
+        "Current thread 0x00007f00 (most recent call last):",
+        f'  File "{test_file}", line 3 in test_step',
+        "    dist.all_reduce(t)",
+        "  ... 2 frames in torch: wrapper (c10d_logger.py:81) -> all_reduce "
+        "(distributed_c10d.py:4000)",
+    ]
+
+
+def test_readable_stack_leaves_text_without_frames_alone() -> None:
+    from fsdp_testing._report.hang_report import readable_stack
+
+    assert readable_stack("(no stack dump)") == "(no stack dump)"
