@@ -1,0 +1,256 @@
+"""The in-payload order check: ranks that diverge in any iteration fail in that iteration.
+
+See [Note: order check] in ``fsdp_core._order_check``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_core import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, events
+from fsdp_core._order_check import (
+    GATHER_TAG_NUMEL,
+    TagOp,
+    codes_from_digits,
+    decode,
+    encode,
+    reduce_tag_numel,
+    write_gather_tag,
+    write_reduce_tag,
+)
+from fsdp_core._runtime import set_order_tags
+from fsdp_core.wrap import ModuleWrapPolicy
+
+SWAP_AT = 3  # the iteration in which one rank swaps two units
+ITERATIONS = 5
+
+# ---------------------------------------------------------------------- the code, one process
+
+
+def test_every_code_survives_every_dtype():
+    """All 2**16 codes round-trip through their digits in fp32, fp16 and bf16 (integers below
+    256 are exact in bf16), and the fields decode back."""
+    codes = torch.arange(1 << 16)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        digits = torch.stack([codes // 256, codes % 256], dim=1).to(dtype)
+        assert codes_from_digits(digits.reshape(-1).tolist()) == codes.tolist(), dtype
+    for unit in (0, 1, 255, 256, 4095):
+        for op in TagOp:
+            for iteration in (1, 2, 3, 4, 7):
+                assert decode(encode(unit, op, iteration)) == (unit, op, iteration % 4)
+    assert encode(4096 + 5, TagOp.REDUCE, 1) == encode(5, TagOp.REDUCE, 1)  # modulo 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_reduction_tags_survive_the_sum(dtype, world):
+    """A reduction sums every rank's input: each rank's digits sit in its own pair, so the sum
+    of the tag columns (in the reduce dtype, any order) gives every rank's code exactly, next
+    to pre-divided gradients of any value."""
+    numel = 5
+    codes = [encode(200 + 37 * r, TagOp.REDUCE, 3) for r in range(world)]
+    codes[-1] = encode(4095, TagOp.FORWARD_GATHER, 2)  # a mismatching rank, every digit high
+    inputs = []
+    for r in range(world):
+        rows = torch.zeros(world, numel + reduce_tag_numel(world), dtype=dtype)
+        rows[:, :numel] = torch.randn(world, numel).to(dtype) / world
+        write_reduce_tag(rows, codes[r], r, world)
+        inputs.append(rows)
+    for order in (range(world), reversed(range(world))):
+        total = torch.zeros_like(inputs[0])
+        for r in order:
+            total += inputs[r]
+        for row in total:  # what each rank receives from a reduce-scatter
+            assert codes_from_digits(row[numel:].tolist()) == codes, (dtype, world)
+
+
+def test_gather_tag_and_unreadable_digits():
+    send = torch.zeros(3 + GATHER_TAG_NUMEL, dtype=torch.bfloat16)
+    write_gather_tag(send, encode(300, TagOp.BACKWARD_GATHER, 2))
+    assert codes_from_digits(send[3:].tolist()) == [encode(300, TagOp.BACKWARD_GATHER, 2)]
+    assert codes_from_digits([0.5, 1.0, 256.0, 0.0, 1.0, 2.0]) == [None, None, 258]
+
+
+# ---------------------------------------------------------------------- diverging ranks
+
+
+class _TwoUnits(nn.Module):
+    """``a`` then ``b`` (same sizes); ``swap`` runs ``b`` first. Only ``head`` is the root's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        self.swap = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+        return self.head(torch.relu(second(torch.relu(first(x)))))
+
+
+def _wrap_two_units(group: dist.ProcessGroup, **kwargs: object) -> FSDP:
+    model = _TwoUnits()
+    model.a = FSDP(model.a, group, **kwargs)
+    model.b = FSDP(model.b, group, **kwargs)
+    return FSDP(model, group, **kwargs)
+
+
+def _train_until_error(
+    model: nn.Module, step: object, swap_rank: int, rank: int
+) -> tuple[int, str]:
+    """Run ``step`` for ``ITERATIONS`` iterations, swapping on ``swap_rank`` at ``SWAP_AT``;
+    return the iteration that raised and the message (0 and "" if none did)."""
+    inner = model.module
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for iteration in range(1, ITERATIONS + 1):
+        inner.swap = iteration == SWAP_AT and rank == swap_rank
+        try:
+            step(model, iteration)  # type: ignore[operator]
+        except RuntimeError as error:
+            return iteration, str(error)
+        optim.step()
+        optim.zero_grad()
+    return 0, ""
+
+
+def _forward_backward(model: nn.Module, iteration: int) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(iteration + 10 * dist.get_rank()))
+    model(x).sum().backward()
+
+
+def _messages_on_every_rank(message: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's message without its ``[rank N]`` prefix (one collective: the ranks raised
+    at the same point, so they are still in step)."""
+    gathered: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, re.sub(r"^\[rank \d+\] ", "", message), group=group)
+    return gathered
+
+
+POLICIES = {
+    "fp32": None,
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16),  # gathers and reduces in bf16
+    "fp16/fp32": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.distributed(world_size=2)
+def test_swapped_units_in_iteration_three_fail_there_on_both_ranks(
+    rank, process_group, policy, offload
+):
+    """Rank 1 runs ``b`` before ``a`` in iteration 3 only: the units have the same size, so
+    without a check their all-gathers would pair up and exchange each other's shards. Both
+    ranks raise in iteration 3, at the first swapped all-gather, with the same message naming
+    both units, the op and the iteration; iterations 1 and 2 train normally."""
+    model = _wrap_two_units(
+        process_group,
+        mixed_precision=POLICIES[policy],
+        cpu_offload=CPUOffload(offload_params=offload),
+    )
+    raised_at, message = _train_until_error(model, _forward_backward, swap_rank=1, rank=rank)
+    assert raised_at == SWAP_AT, (raised_at, message)
+    assert message.startswith(f"[rank {rank}] FSDP ranks ran units in different orders in "
+                              f"iteration {SWAP_AT}: ")  # fmt: skip
+    assert "rank 0 all-gathered 'a' for forward" in message, message
+    assert "rank 1 all-gathered 'b' for forward" in message, message
+    messages = _messages_on_every_rank(message, process_group)
+    assert messages[0] == messages[1]
+
+
+def _two_backwards(model: nn.Module, iteration: int) -> None:
+    """Forward both branches, then one backward per branch, ``b``'s first when swapped."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(iteration + 10 * dist.get_rank()))
+    out_a, out_b = model(x)
+    first, second = (out_b, out_a) if model.module.swap else (out_a, out_b)
+    first.sum().backward()
+    second.sum().backward()
+
+
+class _TwoBranches(_TwoUnits):
+    """``a`` and ``b`` side by side (same forward order on every rank); the root owns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize(
+    "strategy,op", [(ShardingStrategy.SHARD_GRAD_OP, "reduce_scatter"), (ShardingStrategy.NO_SHARD, "all_reduce")]
+)  # fmt: skip
+@pytest.mark.distributed(world_size=2)
+def test_swapped_reductions_fail_in_that_iteration(rank, process_group, strategy, op):
+    """The forwards agree but rank 1 runs ``b``'s backward before ``a``'s in iteration 3, so the
+    gradient reductions (no all-gather in backward: SHARD_GRAD_OP keeps the parameters, NO_SHARD
+    never gathers) would sum ``a``'s gradients with ``b``'s. Both ranks raise in iteration 3,
+    at the reduction, naming both units."""
+    model = FSDP(
+        _TwoBranches(),
+        process_group,
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
+    seen: list[events.Event] = []
+    with events.subscribe(seen.append):
+        raised_at, message = _train_until_error(model, _two_backwards, swap_rank=1, rank=rank)
+    assert raised_at == SWAP_AT, (raised_at, message)
+    assert f"in iteration {SWAP_AT}: " in message
+    assert "rank 0 reduced the gradients of 'a'" in message, message
+    assert "rank 1 reduced the gradients of 'b'" in message, message
+    collectives = [e for e in seen if isinstance(e, events.Collective)]
+    assert collectives[-1].op.startswith(op)  # the reduction is where it failed
+    messages = _messages_on_every_rank(message, process_group)
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.distributed(world_size=4)
+def test_divergence_inside_a_subgroup_names_global_ranks(rank, process_group):
+    """Groups [0, 2] and [1, 3] shard separately; rank 3 swaps in iteration 3. Ranks 1 and 3
+    (group ranks 0 and 1) raise, naming global ranks; ranks 0 and 2 train on."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    model = _wrap_two_units(group)
+    raised_at, message = _train_until_error(model, _forward_backward, swap_rank=3, rank=rank)
+    if rank % 2 == 0:
+        assert (raised_at, message) == (0, "")
+        return
+    assert raised_at == SWAP_AT, message
+    assert "rank 1 all-gathered 'a' for forward; rank 3 all-gathered 'b' for forward" in message
+
+
+@pytest.mark.distributed(world_size=2)
+def test_set_order_tags_off_sends_the_data_only(rank, process_group):
+    """The measurement switch: with the tags off, each collective moves the data alone (the
+    bytes of the check's cost), and a swap after the first iteration goes unnoticed; on again,
+    the tags are back."""
+    data_bytes = {"": (2 * 4 + 2) * 4, "a": (4 * 4 + 4) * 4, "b": (4 * 4 + 4) * 4}
+
+    def gathered_bytes(model: nn.Module) -> dict[str, int]:
+        seen: list[events.Event] = []
+        with events.subscribe(seen.append):
+            _forward_backward(model, 0)
+        return {
+            e.unit: e.bytes for e in seen if isinstance(e, events.Collective) and "gather" in e.op
+        }
+
+    model = _wrap_two_units(process_group)
+    set_order_tags(model, enabled=False)  # before lazy init
+    assert gathered_bytes(model) == data_bytes
+    set_order_tags(model, enabled=True)  # after it
+    assert gathered_bytes(model) == {u: b + 2 * 2 * 4 for u, b in data_bytes.items()}
+    set_order_tags(model, enabled=False)
+    model.module.swap = rank == 1
+    _forward_backward(model, 1)  # same sizes: nothing notices; this is what the tags catch
