@@ -130,7 +130,7 @@ def _write_png(path: str, rows: list[tuple[str, list[float]]]) -> None:
     panel = BarPanel(
         title="median wall time per test (setup, call, teardown)",
         unit="ms (log scale)",
-        groups=[name.replace(" (--no-dist-pool)", "\n(--no-dist-pool)") for name, _ in rows],
+        groups=[name for name, _ in rows],
         series={"per test": [statistics.median(times) * 1000 for _, times in rows]},
         log=True,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -273,11 +274,10 @@ def draw_bars(panels: Sequence[BarPanel], *, title: str, width: int = 1000) -> F
                 color=palette[index % len(palette)],
             )
             ax.bar_label(bars, fmt="{:,.1f}", fontsize=7, padding=2)
-        ax.set_xticks(range(len(panel.groups)), panel.groups, fontsize=8)
-        if len(max(panel.groups, key=len, default="")) > 14:
-            ax.tick_params(axis="x", labelrotation=20)
-            for text in ax.get_xticklabels():
-                text.set_horizontalalignment("right")
+        # Labels wrap to the width of their slot (about 6 pixels per character at 8 points).
+        slot_chars = max(8, int(width * 0.85 / len(panels) / max(len(panel.groups), 1) / 6))
+        labels = [textwrap.fill(g, slot_chars) for g in panel.groups]
+        ax.set_xticks(range(len(panel.groups)), labels, fontsize=8)
         ax.set_title(panel.title, fontsize=10)
         ax.set_ylabel(panel.unit)
         if panel.log:

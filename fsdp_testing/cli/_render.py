@@ -200,12 +200,12 @@ class ProgressDisplay:
     def __enter__(self) -> ProgressDisplay:
         if is_rich(self.console):
             self._bar = RichProgress(
-                TextColumn("[progress.description]{task.description}"),
                 BarColumn(bar_width=30),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
+                TextColumn("{task.description}", markup=False),
                 console=self.console,
                 transient=True,
             )
@@ -230,7 +230,11 @@ class ProgressDisplay:
     def start(self, label: str) -> None:
         """``label`` is now running."""
         if self._bar is not None and self._task is not None:
-            self._bar.update(self._task, description=f"{self._prefix()} {label}")
+            # The bar, counts and times take a fixed width; the label gets the rest.
+            room = self.console.width - (30 + 2 * len(str(self.total)) + 1 + 7 + 3 + 7 + 5)
+            if len(label) > room:
+                label = label[: max(room - 1, 0)] + "…"
+            self._bar.update(self._task, description=label)
 
     def finish(self, label: str, status: str, seconds: float, note: str = "") -> None:
         """``label`` ended with ``status`` after ``seconds``; ``note`` says why, if not ok."""

@@ -10,7 +10,17 @@ from typing import Any
 
 from ._matrix import Config
 
-__all__ = ["RowResult", "write_json", "write_junit"]
+__all__ = [
+    "ERROR",
+    "MISMATCH",
+    "OK",
+    "UNAVAILABLE",
+    "RowResult",
+    "comm_problems",
+    "count_statuses",
+    "write_json",
+    "write_junit",
+]
 
 #: Row statuses. Only ``ok`` and ``unavailable`` let the check pass.
 OK, MISMATCH, ERROR, UNAVAILABLE = "ok", "MISMATCH", "ERROR", "unavailable"
@@ -71,7 +81,26 @@ class RowResult:
         }
 
 
-def _summary(rows: list[RowResult]) -> dict[str, int]:
+def comm_problems(
+    comm: dict[str, tuple[int, int]], theory: dict[str, tuple[int, int]] | None
+) -> list[str]:
+    """One line per kind of collective whose calls or bytes per step differ from the theory
+    (none when there is no theory)."""
+    if theory is None:
+        return []
+    problems = []
+    for kind in sorted(set(comm) | set(theory)):
+        got, want = comm.get(kind, (0, 0)), theory.get(kind, (0, 0))
+        if got != want:
+            problems.append(
+                f"communication: {kind} {got[0]} calls / {got[1]:,} B per step, theory "
+                f"{want[0]} calls / {want[1]:,} B"
+            )
+    return problems
+
+
+def count_statuses(rows: list[RowResult]) -> dict[str, int]:
+    """Rows per status, every status present."""
     counts = {OK: 0, MISMATCH: 0, ERROR: 0, UNAVAILABLE: 0}
     for row in rows:
         counts[row.status] += 1
@@ -83,7 +112,7 @@ def write_json(path: str, rows: list[RowResult], meta: dict[str, Any]) -> None:
     data = {
         "tool": "fsdp-testing check",
         **meta,
-        "summary": _summary(rows),
+        "summary": count_statuses(rows),
         "passed": not any(r.failed for r in rows),
         "rows": [r.as_dict() for r in rows],
     }
@@ -95,7 +124,7 @@ def write_json(path: str, rows: list[RowResult], meta: dict[str, Any]) -> None:
 def write_junit(path: str, rows: list[RowResult], total_time: float) -> None:
     """One ``testcase`` per row: ``failure`` for a mismatch, ``error`` for an error, ``skipped``
     for an unavailable configuration."""
-    counts = _summary(rows)
+    counts = count_statuses(rows)
     suite = ET.Element(
         "testsuite",
         name="fsdp-testing check",

@@ -15,15 +15,26 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._matrix import AXES, DEFAULTS, Config, build_matrix, parse_axis
-from ._report import ERROR, MISMATCH, OK, UNAVAILABLE, RowResult, write_json, write_junit
-from ._table import Progress, format_table
+from ._render import ProgressDisplay, echo, make_console
+from ._report import (
+    ERROR,
+    MISMATCH,
+    OK,
+    UNAVAILABLE,
+    RowResult,
+    comm_problems,
+    write_json,
+    write_junit,
+)
+from ._table import print_results
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["add_parser", "run", "run_matrix"]
-
-_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -67,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
         print("fsdp-testing check: --world-size and --steps must be at least 1", file=sys.stderr)
         return 2
     configs = build_matrix(selection)
-    print(
+    console = make_console()
+    echo(
+        console,
         f"fsdp-testing check: {len(configs)} configurations on {args.world_size} gloo ranks, "
-        f"{args.steps} steps each"
+        f"{args.steps} steps each",
     )
     started = time.monotonic()
     rows = run_matrix(
@@ -78,20 +91,10 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         timeout=args.timeout,
         strict_comm=args.comm == "strict",
+        console=console,
     )
     total = time.monotonic() - started
-    print()
-    print(render(rows))
-    counts = {s: sum(r.status == s for r in rows) for s in (OK, MISMATCH, ERROR, UNAVAILABLE)}
-    print(
-        f"\n{counts[OK]} ok, {counts[MISMATCH]} mismatched, {counts[ERROR]} errors, "
-        f"{counts[UNAVAILABLE]} unavailable in {total:.1f} s"
-    )
-    for row in rows:
-        if row.status != OK or row.notes:
-            print(f"\n{row.status}: {row.config.label}")
-            for problem in [*row.problems[:8], *row.notes]:
-                print(f"  {problem}")
+    print_results(console, rows, total)
     meta = {"world_size": args.world_size, "steps": args.steps, "time_s": round(total, 3)}
     if args.json:
         write_json(args.json, rows, meta)
@@ -110,6 +113,7 @@ def run_matrix(
     steps: int,
     timeout: float,
     strict_comm: bool = True,
+    console: Console | None = None,
 ) -> list[RowResult]:
     """Run each configuration as one distributed task on the warm pool, with progress.
 
@@ -120,31 +124,33 @@ def run_matrix(
         timeout: seconds per row.
         strict_comm: communication that differs from the theory makes the row a mismatch
             (default True); otherwise it is reported as a note.
+        console: where progress goes (default: stdout; a live bar on a terminal, one plain
+            line per row elsewhere).
     """
-    from fsdp_testing._spec import DistSpec, Mode
-    from fsdp_testing._task import Task
+    from fsdp_testing._launch.spec import DistSpec, Mode
+    from fsdp_testing._protocol import Task
     from fsdp_testing.launcher import LaunchSettings, run_distributed
 
     from ._rankwork import CheckCase
 
-    progress = Progress(len(configs))
     spec = DistSpec(world_size, backend="gloo", mode=Mode.PROCESS, timeout=timeout)
     rows = []
-    for config in configs:
-        progress.start(config.label)
-        out_dir = tempfile.mkdtemp(prefix="fsdp-testing-check-")
-        begin = time.monotonic()
-        try:
-            task = Task(CheckCase(config, steps, out_dir), {}, test_id=config.label)
-            verdict = run_distributed(task, spec, LaunchSettings(timeout=timeout))
-            ranks = _read_ranks(out_dir, world_size)
-        finally:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        row = _merge(config, verdict.outcome, verdict.message, ranks, strict_comm)
-        row.time_s = time.monotonic() - begin
-        note = row.problems[0][:100] if row.problems and row.status != OK else ""
-        progress.finish(config.label, row.status, row.time_s, note)
-        rows.append(row)
+    with ProgressDisplay(len(configs), console) as progress:
+        for config in configs:
+            progress.start(config.label)
+            out_dir = tempfile.mkdtemp(prefix="fsdp-testing-check-")
+            begin = time.monotonic()
+            try:
+                task = Task(CheckCase(config, steps, out_dir), {}, test_id=config.label)
+                verdict = run_distributed(task, spec, LaunchSettings(timeout=timeout))
+                ranks = _read_ranks(out_dir, world_size)
+            finally:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            row = _merge(config, verdict.outcome, verdict.message, ranks, strict_comm)
+            row.time_s = time.monotonic() - begin
+            note = row.problems[0][:100] if row.problems and row.status != OK else ""
+            progress.finish(config.label, row.status, row.time_s, note)
+            rows.append(row)
     return rows
 
 
@@ -195,91 +201,9 @@ def _merge(
         if not data["comm_consistent"]:
             row.problems.append(f"[rank {rank}] collectives differ between steps 2..N")
     if strict_comm:
-        row.problems += _comm_problems(row.comm, row.theory)
+        row.problems += comm_problems(row.comm, row.theory)
     else:
-        row.notes += _comm_problems(row.comm, row.theory)
+        row.notes += comm_problems(row.comm, row.theory)
     if row.problems:
         row.status = MISMATCH
     return row
-
-
-def _comm_problems(
-    comm: dict[str, tuple[int, int]], theory: dict[str, tuple[int, int]] | None
-) -> list[str]:
-    if theory is None:
-        return []
-    problems = []
-    for kind in sorted(set(comm) | set(theory)):
-        got, want = comm.get(kind, (0, 0)), theory.get(kind, (0, 0))
-        if got != want:
-            problems.append(
-                f"communication: {kind} {got[0]} calls / {got[1]:,} B per step, theory "
-                f"{want[0]} calls / {want[1]:,} B"
-            )
-    return problems
-
-
-def _fmt_diff(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return "0" if value == 0 else f"{value:.1e}"
-
-
-def _fmt_comm(comm: dict[str, tuple[int, int]], kinds: tuple[str, ...]) -> str:
-    parts = []
-    for kind in kinds:
-        if kind in comm:
-            count, size = comm[kind]
-            short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}[kind]
-            parts.append(f"{count} {short} {size:,} B")
-    return ", ".join(parts) if parts else "none"
-
-
-def _theory_cell(row: RowResult) -> str:
-    if row.status in (ERROR, UNAVAILABLE):
-        return "-"
-    if row.theory is None:
-        return "n/a"
-    if not _comm_problems(row.comm, row.theory):
-        return "= theory"
-    return "theory: " + _fmt_comm(row.theory, _KINDS)
-
-
-def _parity_cell(row: RowResult) -> str:
-    if row.status in (ERROR, UNAVAILABLE):
-        return row.status
-    return "FAIL" if any("parity:" in p for p in row.problems) else "ok"
-
-
-def render(rows: list[RowResult]) -> str:
-    """The result table, one line per configuration."""
-    headers = [
-        "configuration",
-        "parity",
-        "loss diff",
-        "param diff",
-        "all-gather/step",
-        "reduce/step",
-        "vs theory",
-        "peak RSS MiB",
-        "step ms",
-        "time s",
-    ]
-    body = []
-    for row in rows:
-        ran = row.status not in (ERROR, UNAVAILABLE)
-        body.append(
-            [
-                row.config.label,
-                _parity_cell(row),
-                _fmt_diff(row.loss_diff) if ran else "-",
-                _fmt_diff(row.param_diff) if ran else "-",
-                _fmt_comm(row.comm, ("all_gather",)) if ran else "-",
-                _fmt_comm(row.comm, ("reduce_scatter", "all_reduce")) if ran else "-",
-                _theory_cell(row),
-                "/".join(f"{b / 2**20:.0f}" for b in row.peak_rss) or "-",
-                f"{row.step_s * 1e3:.1f}" if row.step_s is not None else "-",
-                f"{row.time_s:.2f}",
-            ]
-        )
-    return format_table(headers, body)

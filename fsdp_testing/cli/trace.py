@@ -6,7 +6,7 @@ export (:meth:`~fsdp_testing.recording.FSDPRecorder.export_chrome_trace`): every
 its duration, every unshard and reshard of a unit with its reason, post-backwards, sharded
 forwards and (fsdp_core) offload copies, for every engine. The command merges the ranks' traces,
 adds each rank's step phases (forward, backward, optimizer) on a track of their own, and draws
-the PNG from the merged trace.
+the PNG from the merged trace with matplotlib (``_plot.draw_timeline``; the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -22,25 +22,13 @@ from collections import Counter
 from typing import Any
 
 from ._matrix import AXES, Config
-from ._png import Canvas, Color
+from ._plot import draw_timeline, require_matplotlib, save_png
 
-__all__ = ["TraceSteps", "add_parser", "draw_timeline", "merge_traces", "run"]
+__all__ = ["TraceSteps", "add_parser", "merge_traces", "run"]
 
 #: The trace thread of the step phases; the recorder's tracks start at 1.
 _PHASE_TID = 0
 _PHASES = ("forward", "backward", "optimizer")
-_COLORS: dict[str, Color] = {
-    "forward": (205, 215, 230),
-    "backward": (170, 185, 210),
-    "optimizer": (215, 205, 170),
-    "all_gather": (31, 119, 180),
-    "reduce_scatter": (255, 127, 14),
-    "all_reduce": (148, 103, 189),
-    "unshard": (44, 160, 44),
-    "reshard": (214, 39, 40),
-    "offload": (23, 190, 207),
-}
-_OTHER_COLLECTIVE: Color = (127, 127, 127)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -70,8 +58,18 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--json", default="fsdp-trace.json", metavar="PATH", help="trace file (Chrome JSON)"
     )
-    parser.add_argument("--png", default="fsdp-trace.png", metavar="PATH", help="timeline image")
-    parser.add_argument("--width", type=int, default=1400, help="PNG width in pixels")
+    parser.add_argument(
+        "--png",
+        default="fsdp-trace.png",
+        metavar="PATH",
+        help="timeline image, drawn with matplotlib (the 'plot' extra)",
+    )
+    parser.add_argument(
+        "--no-png", action="store_true", help="write only the JSON trace (no matplotlib needed)"
+    )
+    parser.add_argument(
+        "--width", type=int, default=1400, help="PNG width in pixels (at least 400)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -82,10 +80,23 @@ def run(args: argparse.Namespace) -> int:
         for axis, value in values.items()
         if value not in AXES[axis] and not (axis == "engine" and ":" in value)
     ]
-    if bad or args.steps < 1 or args.world_size < 1:
-        problem = ", ".join(bad) or "--steps and --world-size must be at least 1"
+    if bad or args.steps < 1 or args.world_size < 1 or args.width < 400:
+        problem = ", ".join(bad) or (
+            "--steps and --world-size must be at least 1"
+            if args.width >= 400
+            else f"--width {args.width}: give at least 400 pixels"
+        )
         print(f"fsdp-testing trace: invalid {problem}", file=sys.stderr)
         return 2
+    if not args.no_png:
+        try:
+            require_matplotlib(f"fsdp-testing trace --png {args.png}")
+        except ImportError as error:
+            print(
+                f"fsdp-testing trace: {error} Or pass --no-png to write only the JSON trace.",
+                file=sys.stderr,
+            )
+            return 2
     config = Config(**values)
     print(f"fsdp-testing trace: {config.label}, {args.steps} steps on {args.world_size} ranks")
     ranks = _record(config, args.steps, args.world_size, args.timeout)
@@ -94,12 +105,13 @@ def run(args: argparse.Namespace) -> int:
     trace = merge_traces(ranks, config)
     with open(args.json, "w") as f:
         json.dump(trace, f)
-    with open(args.png, "wb") as f:
-        f.write(draw_timeline(trace, width=args.width).png())
+    if not args.no_png:
+        save_png(draw_timeline(trace, width=args.width), args.png)
     for rank, counts in sorted(_counts(trace).items()):
         listed = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         print(f"rank {rank}: {listed or 'no events'}")
-    print(f"wrote {args.json} ({len(trace['traceEvents'])} events) and {args.png}")
+    picture = "" if args.no_png else f" and {args.png}"
+    print(f"wrote {args.json} ({len(trace['traceEvents'])} events){picture}")
     return 0
 
 
@@ -159,8 +171,8 @@ class TraceSteps:
 def _record(
     config: Config, steps: int, world_size: int, timeout: float
 ) -> dict[int, dict[str, Any]] | None:
-    from fsdp_testing._spec import DistSpec, Mode
-    from fsdp_testing._task import Task
+    from fsdp_testing._launch.spec import DistSpec, Mode
+    from fsdp_testing._protocol import Task
     from fsdp_testing.launcher import LaunchSettings, run_distributed
 
     out_dir = tempfile.mkdtemp(prefix="fsdp-testing-trace-")
@@ -217,12 +229,6 @@ def merge_traces(ranks: dict[int, dict[str, Any]], config: Config | None = None)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def _family(op: str) -> str:
-    from fsdp_testing.patching import COLLECTIVE_FAMILIES
-
-    return next((f for f, names in COLLECTIVE_FAMILIES.items() if op in names), op)
-
-
 def _counts(trace: dict[str, Any]) -> dict[int, Counter[str]]:
     counts: dict[int, Counter[str]] = {}
     for event in trace["traceEvents"]:
@@ -231,74 +237,3 @@ def _counts(trace: dict[str, Any]) -> dict[int, Counter[str]]:
         key = event["args"]["op"] if event["cat"] == "collective" else event["cat"]
         counts.setdefault(event["pid"], Counter())[key] += 1
     return counts
-
-
-def draw_timeline(trace: dict[str, Any], *, width: int = 1400) -> Canvas:
-    """One lane per rank (trace process) with four rows: step phases; collectives (all-gather
-    blue, reduce-scatter orange, all-reduce purple, spans); unshard (green, upper half) and
-    reshard (red, lower half); offload copies (cyan).
-
-    Args:
-        trace: a trace from :func:`merge_traces` (or any recorder export).
-        width: image width in pixels (at least 400; default 1400).
-    """
-    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
-    ranks = sorted({e["pid"] for e in trace["traceEvents"]})
-    t0 = min((e["ts"] for e in events), default=0.0)
-    t1 = max((e["ts"] + e.get("dur", 0.0) for e in events), default=t0)
-    span = max(t1 - t0, 1e-3)
-    left, right, row_h, lane_gap, top = 120, 20, 16, 18, 64
-    lane_h = 4 * row_h
-    height = top + len(ranks) * (lane_h + lane_gap) + 40
-    canvas = Canvas(max(width, 400), height)
-    plot_w = canvas.width - left - right
-
-    def x(us: float) -> int:
-        return left + int((us - t0) * plot_w / span)
-
-    title = trace.get("otherData", {}).get("configuration", "")
-    canvas.text(8, 8, f"fsdp-testing trace: {title}")
-    legend_x = 8
-    for name in _COLORS:
-        canvas.rect(legend_x, 34, legend_x + 14, 46, _COLORS[name])
-        legend_x = canvas.text(legend_x + 18, 35, name) + 14
-    lanes = {rank: top + index * (lane_h + lane_gap) for index, rank in enumerate(ranks)}
-    for rank, y in lanes.items():
-        canvas.rect(left, y, left + plot_w, y + lane_h, (246, 246, 246))
-        canvas.text(8, y + 2, f"rank {rank}")
-        for row, label in enumerate(("step", "comm", "unit", "offload")):
-            canvas.text(8 + 8, y + row * row_h + 3, label, (90, 90, 90), scale=1)
-    for event in events:
-        placed = _placement(event, row_h)
-        if placed is None:
-            continue
-        color, y0, y1 = placed
-        x0 = x(event["ts"])
-        x1 = x(event["ts"] + event["dur"]) if "dur" in event else x0 + 2
-        y = lanes[event["pid"]]
-        canvas.rect(x0, y + y0, max(x1, x0 + 2), y + y1, color)
-    axis_y = top + len(ranks) * (lane_h + lane_gap)
-    canvas.rect(left, axis_y, left + plot_w, axis_y + 1, (0, 0, 0))
-    ticks = 5
-    for i in range(ticks + 1):
-        tx = left + i * plot_w // ticks
-        canvas.rect(tx, axis_y, tx + 1, axis_y + 6, (0, 0, 0))
-        canvas.text(max(0, tx - 20), axis_y + 10, f"{span * i / ticks / 1e3:.1f} ms", scale=1)
-    return canvas
-
-
-def _placement(event: dict[str, Any], row_h: int) -> tuple[Color, int, int] | None:
-    """The color and the rows (pixel offsets in a lane) of one trace event, or None."""
-    category = event.get("cat")
-    if category == "step":
-        return _COLORS.get(event["name"], _OTHER_COLLECTIVE), 1, row_h - 1
-    if category == "collective":
-        color = _COLORS.get(_family(event["args"]["op"]), _OTHER_COLLECTIVE)
-        return color, row_h + 1, 2 * row_h - 1
-    if category == "unshard":
-        return _COLORS["unshard"], 2 * row_h + 1, 2 * row_h + row_h // 2
-    if category == "reshard":
-        return _COLORS["reshard"], 2 * row_h + row_h // 2, 3 * row_h - 1
-    if category == "offload":
-        return _COLORS["offload"], 3 * row_h + 1, 4 * row_h - 1
-    return None

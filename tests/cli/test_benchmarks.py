@@ -1,4 +1,4 @@
-"""The core-vs-FSDP2 benchmark runs end to end at a tiny size and reports its figures."""
+"""The benchmarks run end to end at a tiny size, report their figures and draw their charts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import harness_overhead  # noqa: E402
 from core_vs_fsdp2 import paired_ratios  # noqa: E402
+
+from ._images import assert_drawn_png  # noqa: E402
 
 
 def test_paired_ratios_take_the_slower_rank_of_each_round():
@@ -21,14 +24,14 @@ def test_paired_ratios_take_the_slower_rank_of_each_round():
     assert paired_ratios(times, "fsdp_core", "torch_fsdp2") == [1.5, 0.5]
 
 
-def test_core_vs_fsdp2_runs_and_matches_theory(tmp_path):
-    out = tmp_path / "bench.json"
+def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "core_vs_fsdp2.py"),
             *("--width", "32", "--blocks", "1", "--steps", "1", "--warmup", "1"),
-            *("--rounds", "2", "--json", str(out)),
+            *("--rounds", "2", "--json", str(out), "--png", str(png)),
         ],
         capture_output=True,
         text=True,
@@ -43,3 +46,25 @@ def test_core_vs_fsdp2_runs_and_matches_theory(tmp_path):
         assert rank0["comm"] == rank0["theory"] != {}, engine
     assert len(report["paired_ratios"]["torch_fsdp2"]["ratios"]) == 2
     assert all(len(t["fsdp_core"]) == 2 for t in report["interleaved"])
+    # Plain lines in a pipe: the tables as aligned text, no escape codes.
+    assert "\x1b" not in proc.stdout
+    assert "engine       median ms  min ms  max ms" in proc.stdout
+    assert f"wrote {png}" in proc.stdout
+    assert_drawn_png(png, width=1000, height=450)
+
+
+def test_harness_overhead_prints_its_table_and_draws_its_png(tmp_path, capsys):
+    rows = [
+        ("fsdp_testing warm pool", [0.002, 0.0021, 0.0019]),
+        ("fsdp_testing fresh processes (--no-dist-pool)", [0.078, 0.08]),
+        ("fsdp_testing thread mode", [0.002]),
+        ("torch MultiProcessTestCase", [3.318, 3.3]),
+        ("torch MultiThreadedTestCase", [0.004]),
+    ]
+    harness_overhead._print_report(rows)
+    out = capsys.readouterr().out
+    assert "harness                                        tests  median ms  torch MP / this" in out
+    assert "fsdp_testing warm pool                             3        2.0          1654.5x" in out
+    png = tmp_path / "overhead.png"
+    harness_overhead._write_png(str(png), rows)
+    assert_drawn_png(png, width=1000, height=450)

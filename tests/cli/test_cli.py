@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -14,13 +14,14 @@ import pytest
 
 from fsdp_testing.cli import main
 from fsdp_testing.cli._matrix import DEFAULTS, build_matrix, parse_axis
-from fsdp_testing.cli._png import Canvas
+
+from ._images import assert_drawn_png
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _cli(*args: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_vars}
     return subprocess.run(
         [sys.executable, "-m", "fsdp_testing", *args],
         cwd=cwd,
@@ -206,21 +207,38 @@ def test_trace_writes_a_chrome_trace_and_a_png_timeline(tmp_path, capsys):
     )
     slices = [e for e in events if e["ph"] == "X"]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    assert width == 900 and 150 < height < 400
+    assert_drawn_png(png, width=900, height=450)  # two rank lanes of 150 pixels, 150 around
 
 
-def test_png_canvas_pixels_round_trip():
-    import zlib
+_SMALL = ("--model", "nested,moe", "--strategy", "FULL_SHARD,NO_SHARD", "--prefetch",
+          "BACKWARD_PRE", "--offload", "off", "--mp", "off")  # fmt: skip
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
-    canvas = Canvas(4, 3)
-    canvas.rect(1, 1, 3, 2, (10, 20, 30))
-    data = canvas.png()
-    idat = data.index(b"IDAT")
-    length = struct.unpack(">I", data[idat - 4 : idat])[0]
-    raw = zlib.decompress(data[idat + 4 : idat + 4 + length])
-    rows = [raw[i * 13 + 1 : (i + 1) * 13] for i in range(3)]
-    assert rows[1][3:9] == bytes([10, 20, 30, 10, 20, 30])
-    assert rows[0] == bytes([255]) * 12
+
+def test_check_on_a_terminal_prints_summary_then_a_table_that_fits(tmp_path):
+    """TTY_COMPATIBLE=1 makes rich treat the pipe as a 120-column terminal: the summary comes
+    first, the table has one line per row and no line is wider than the terminal, and the
+    statuses are coloured; the JSON report is the same as in plain mode."""
+    report = tmp_path / "check.json"
+    proc = _cli("check", *_SMALL, "--json", str(report), cwd=tmp_path, TTY_COMPATIBLE="1",
+                COLUMNS="120", TERM="xterm-256color", NO_COLOR="")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "\x1b[32mok" in proc.stdout  # colour on a terminal
+    # Escape codes removed and carriage returns as line breaks: every frame of the live bar
+    # is measured too.
+    text = _ANSI.sub("", proc.stdout.replace("\r", "\n"))
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert max(len(line) for line in lines) <= 120
+    summary = next(i for i, line in enumerate(lines) if line.startswith("4 ok, 0 mismatched"))
+    header = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
+    assert summary < header
+    assert "engine: fsdp_core" in lines
+    rows = [line for line in lines[header:] if re.match(r"(FULL|NO) +pre +- +- +ok", line)]
+    assert len(rows) == 4, "\n".join(lines[header:])
+    data = json.loads(report.read_text())
+    first = data["rows"][0]["collectives_per_step"]  # nested FULL_SHARD: the first row
+    gathers, scatters = first["all_gather"], first["reduce_scatter"]
+    assert rows[0].startswith("FULL")
+    assert f"{gathers['count']} x {gathers['bytes']:,}" in rows[0]
+    assert f"{scatters['count']} RS x {scatters['bytes']:,}" in rows[0] and "exact" in rows[0]
+    assert data["summary"]["ok"] == 4

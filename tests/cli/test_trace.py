@@ -4,14 +4,16 @@ the timeline drawn from the merged trace."""
 from __future__ import annotations
 
 import json
-import struct
-import zlib
+import sys
 from typing import Any
 
 import pytest
 
 from fsdp_testing.cli import main
-from fsdp_testing.cli.trace import draw_timeline, merge_traces
+from fsdp_testing.cli._plot import COLORS, draw_timeline
+from fsdp_testing.cli.trace import merge_traces
+
+from ._images import assert_drawn_png
 
 REASONS = {"forward", "forward_prefetch", "backward", "backward_prefetch", "explicit"}
 
@@ -21,7 +23,7 @@ def _trace(tmp_path: Any, capsys: Any, *options: str) -> tuple[list[dict[str, An
     code = main(["trace", "--steps", "2", "--json", str(trace), "--png", str(png), *options])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_drawn_png(png, width=1400, height=450)  # the default width; two lanes
     return json.loads(trace.read_text())["traceEvents"], out
 
 
@@ -53,20 +55,14 @@ def test_trace_shows_fsdp_core_offload_copies(tmp_path, capsys):
     assert {e["pid"] for e in copies} == {0, 1}
 
 
-def _pixels(png: bytes) -> list[bytes]:
-    width, height = struct.unpack(">II", png[16:24])
-    idat = png.index(b"IDAT")
-    length = struct.unpack(">I", png[idat - 4 : idat])[0]
-    raw = zlib.decompress(png[idat + 4 : idat + 4 + length])
-    stride = 1 + 3 * width
-    return [raw[y * stride + 1 : (y + 1) * stride] for y in range(height)]
-
-
-def _color_at(rows: list[bytes], x: int, y: int) -> tuple[int, ...]:
-    return tuple(rows[y][3 * x : 3 * x + 3])
+def _rgb(hex_color: str) -> tuple[int, int, int]:
+    return tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))  # type: ignore[return-value]
 
 
 def test_timeline_puts_each_event_in_its_rank_lane_and_row():
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     # Recorder-style events of rank 1 (microseconds), plus its step phases.
     def span(cat: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
         return {"name": cat, "cat": cat, "ph": "X", "pid": 1, "tid": 1, "ts": ts, "dur": dur,
@@ -81,15 +77,63 @@ def test_timeline_puts_each_event_in_its_rank_lane_and_row():
          "ts": 3500, "args": {"direction": "to_host"}},
     ]  # fmt: skip
     trace = merge_traces({1: {"events": recorded, "phases": [[0, "forward", 0, 5000]]}})
-    rows = _pixels(draw_timeline(trace, width=620).png())
-    # Lane of the only rank from y=64; rows of 16 pixels; the plot spans x 120..600 for 5 ms.
-    assert _color_at(rows, 130, 64 + 8) == (205, 215, 230)  # forward phase
-    assert _color_at(rows, 120 + 144, 64 + 16 + 8) == (31, 119, 180)  # all-gather at 1.5 ms
-    assert _color_at(rows, 120 + 336, 64 + 16 + 8) == (255, 127, 14)  # reduce-scatter at 3.5 ms
-    assert _color_at(rows, 120 + 144, 64 + 32 + 3) == (44, 160, 44)  # unshard, upper half
-    assert _color_at(rows, 120 + 336, 64 + 32 + 12) == (214, 39, 40)  # reshard, lower half
-    assert _color_at(rows, 120 + 337, 64 + 48 + 8) == (23, 190, 207)  # offload copy
-    assert _color_at(rows, 120 + 240, 64 + 16 + 8) == (246, 246, 246)  # nothing at 2.5 ms
+    figure = draw_timeline(trace, width=620)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())
+    height = pixels.shape[0]
+    (lane,) = figure.axes
+    assert lane.get_ylabel() == "rank 1"
+
+    def color_at(ms: float, y: float) -> tuple[int, ...]:
+        # Lane rows, bottom to top: offload 0-1, unshard 1.5-1.9 over reshard 1.1-1.5,
+        # collectives 2.1-2.9, step phases 3.1-3.9; x in milliseconds.
+        x_px, y_px = lane.transData.transform((ms, y))
+        return tuple(int(v) for v in pixels[height - round(float(y_px)), round(float(x_px))][:3])
+
+    assert color_at(0.5, 3.5) == _rgb(COLORS["forward"])
+    assert color_at(1.5, 2.5) == _rgb(COLORS["all_gather"])
+    assert color_at(3.5, 2.5) == _rgb(COLORS["reduce_scatter"])
+    assert color_at(1.5, 1.7) == _rgb(COLORS["unshard"])
+    assert color_at(3.5, 1.3) == _rgb(COLORS["reshard"])
+    assert color_at(3.5, 0.5) == _rgb(COLORS["offload"])
+    gap = color_at(2.5, 2.5)  # no collective at 2.5 ms: the forward phase's light shading
+    assert gap not in {_rgb(COLORS[k]) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    assert min(gap) > 200
+    assert lane.get_xlim()[0] == 0 and lane.get_xlim()[1] >= 5.0  # milliseconds
+    assert figure.axes[-1].get_xlabel() == "time since the first event (ms)"
+    labels = {t.get_text() for t in figure.legends[0].get_texts()}
+    assert {"forward", "all-gather", "reduce-scatter", "unshard", "reshard"} <= labels
+    assert "offload to host" in labels
+
+
+def test_draw_timeline_rejects_a_narrow_picture():
+    trace = merge_traces({0: {"events": [], "phases": [[0, "forward", 0, 10]]}})
+    with pytest.raises(ValueError, match="draw_timeline: width=300 is too narrow"):
+        draw_timeline(trace, width=300)
+
+
+def test_trace_without_matplotlib_names_the_extra_before_running(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    png = tmp_path / "t.png"
+    code = main(["trace", "--model", "nested", "--json", str(tmp_path / "t.json"),
+                 "--png", str(png)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"fsdp-testing trace --png {png} draws with matplotlib, which is not installed" in err
+    assert "Install the 'plot' extra: pip install 'fsdp-testing[plot]'" in err
+    assert "--no-png" in err
+    assert not png.exists() and not (tmp_path / "t.json").exists()
+
+
+def test_trace_no_png_writes_the_json_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    trace = tmp_path / "t.json"
+    code = main(["trace", "--model", "nested", "--steps", "1", "--json", str(trace), "--no-png"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"wrote {trace} (" in out and ".png" not in out
+    assert any(e.get("cat") == "collective" for e in json.loads(trace.read_text())["traceEvents"])
 
 
 def test_merge_traces_starts_at_zero_and_adds_a_phase_track():
