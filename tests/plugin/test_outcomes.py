@@ -93,7 +93,7 @@ def test_timeout_reports_stacks_and_divergence(run: Run) -> None:
     # Readable at a glance: the source line under the frame, torch's own frames folded, and the
     # divergence above the stacks.
     rank0 = case.text.split("[rank 0] stack when the timeout hit:")[1].split("[rank 1]")[0]
-    assert f'line {rank0_line} in {fn}\n    dist.broadcast(t, 0)\n' in rank0
+    assert f"line {rank0_line} in {fn}\n    dist.broadcast(t, 0)\n" in rank0
     assert "frames in torch:" in rank0 and "distributed_c10d.py" not in rank0.split("frames in")[0]
     assert case.text.index("collective divergence:") < case.text.index("[rank 0] stack")
     assert case.seconds < 2 + 5, "the report must arrive within 5 s of the timeout"
