@@ -1,5 +1,5 @@
 """The pytest-native API end to end: a child session runs scenarios/test_outcomes.py once and each
-test here checks one behaviour of SPEC section 1 in its report."""
+test here checks one documented behaviour (docs/pytest-api.md) in its report."""
 
 from __future__ import annotations
 
