@@ -34,7 +34,6 @@ _LEGEND = (
     "peak RSS MiB per rank (lowest-highest beyond two) · step ms: median step · time s: the "
     "row's wall time"
 )
-_ENGINES_LEGEND = " · fsdp1, fsdp2: torch_fsdp1, torch_fsdp2"
 _WORST = 5
 
 
@@ -238,9 +237,9 @@ def rich_table(rows: list[RowResult], *, width: int = 120) -> Group:
         if index:
             parts.append(Text())
         parts.append(table(name, body))
-    several = any(_ENGINE.get(e) for e in engines) and len(engines) > 1
+    shortened = [f"{_ENGINE[e]}: {e}" for e in engines if e in _ENGINE and len(engines) > 1]
     narrow = f" Left out to fit {width} columns: {', '.join(left_out)}." if left_out else ""
-    legend = _LEGEND + (_ENGINES_LEGEND if several else "") + "." + narrow
+    legend = _LEGEND + "".join(f" · {s}" for s in shortened) + "." + narrow
     parts.append(Text(legend, style="dim"))
     return Group(*parts)
 
