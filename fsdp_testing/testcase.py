@@ -13,17 +13,22 @@ exactly as in torch's harness, where each rank builds its instance afresh.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
+import datetime
 import functools
 import itertools
 import os
 import sys
 import tempfile
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from fsdp_testing._compat.assertions import TestCase
+from fsdp_testing._compat.requirements import _world as _compat_world
+from fsdp_testing._compat.world import WorldChoice, choose_world_size, scaled_timeout
 from fsdp_testing._launch.spec import DistSpec, Mode
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
@@ -50,9 +55,9 @@ class DistributedTestFailure(AssertionError):
 
 
 def _accelerator_count() -> int:
-    import torch
+    from fsdp_testing._compat.env import accelerator_count
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return accelerator_count()
 
 
 def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = True) -> Callable[[_F], _F]:
@@ -60,8 +65,9 @@ def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = True) -> Callable[[_F], _F]:
 
     Unlike torch's decorator, ``allow_cpu`` defaults to True: on a machine with no accelerator
     the test runs on CPU ranks over gloo (which is what makes migrated FSDP tests useful on
-    CPU-only CI). Pass ``allow_cpu=False`` for a test that truly needs GPUs. A machine with some
-    GPUs, but fewer than ``x``, skips either way.
+    CPU-only CI), on at least ``x`` of them whatever the class's ``world_size`` says (see
+    [Note: CPU world size]). Pass ``allow_cpu=False`` for a test that truly needs GPUs. A machine
+    with some GPUs, but fewer than ``x``, skips either way.
 
     Args:
         x: number of GPUs the test needs.
@@ -160,12 +166,39 @@ class _LocalMethodTask:
         case._run_method_on_rank(ctx, self.method, self.file_name)
 
 
-class _DistributedTestCase(unittest.TestCase):
+# Messages of the errors torch raises when a test body asks for CUDA on a machine without it.
+_NO_ACCELERATOR_ERRORS = (
+    "Torch not compiled with CUDA enabled",
+    "Found no NVIDIA driver",
+    "No CUDA GPUs are available",
+    "no CUDA-capable device",
+    "Cannot access accelerator device when none is available",
+    "Tried to instantiate dummy base class",
+    "Distributed package doesn't have NCCL built in",
+    "module 'torch.cpu' has no attribute",
+)
+
+
+def _needs_accelerator(exc: BaseException) -> str | None:
+    """The first line of the no-accelerator error in ``exc``'s chain, if there is one."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if any(pattern in text for pattern in _NO_ACCELERATOR_ERRORS):
+            return f"{type(current).__name__}: {(text.splitlines() or [''])[0]}"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class _DistributedTestCase(TestCase):
     """Shared machinery of the process and thread base classes."""
 
     _mode = Mode.PROCESS
-    timeout: float | None = None
-    """Seconds before a test method counts as hung (None: the session default, 120 s)."""
+    timeout: float | datetime.timedelta | None = None
+    """Per-test timeout (seconds or a ``timedelta``). None: the session default (``--dist-timeout``,
+    120 s), multiplied by ``world_size / CPU cores`` when there are more ranks than cores."""
     backend: str | None = None
     """Process mode: ``"gloo"``/``"nccl"``, None for nccl only with enough GPUs."""
     use_warm_pool: bool = True
@@ -178,9 +211,31 @@ class _DistributedTestCase(unittest.TestCase):
         super().__init__(methodName)
         self.rank = -1
         self._ctx: RankContext | None = None
+        self._fsdp_testing_note: str | None = None
         if not _on_rank.get() and methodName != "runTest":
             self._rank_method = methodName
-            setattr(self, methodName, self._run_on_ranks)
+            setattr(self, methodName, self._parent_method(getattr(type(self), methodName)))
+
+    def _parent_method(self, original: Callable[..., Any]) -> Callable[[], None]:
+        # unittest reads expectedFailure/skip markers from the method it calls: keep them.
+        def run_on_ranks() -> None:
+            __tracebackhide__ = True
+            self._run_on_ranks()
+
+        run_on_ranks.__dict__.update(getattr(original, "__dict__", {}))
+        run_on_ranks.__dict__.pop("__wrapped__", None)
+        run_on_ranks.__name__ = getattr(original, "__name__", self._rank_method)
+        run_on_ranks.__doc__ = getattr(original, "__doc__", None)
+        return run_on_ranks
+
+    def __getattribute__(self, name: str) -> Any:
+        # On a rank, world_size is the world the test runs in, whatever the class computes
+        # (a class sized by the GPU count says 0 on a CPU machine). See [Note: CPU world size].
+        if name == "world_size":
+            ctx = object.__getattribute__(self, "__dict__").get("_ctx")
+            if ctx is not None:
+                return ctx.world_size
+        return super().__getattribute__(name)
 
     # --- torch's public surface ---------------------------------------------------------------
 
@@ -237,8 +292,41 @@ class _DistributedTestCase(unittest.TestCase):
             )
         return self._ctx
 
-    def _spec(self) -> DistSpec:
-        return DistSpec(self.world_size, self.backend, self._mode, self.timeout)
+    def _declared_world_size(self) -> Any:
+        """The class's ``world_size``, or the method's ``requires_world_size(n)``."""
+        method = getattr(type(self), self._rank_method, None)
+        required = getattr(method, "_required_world_size", None)
+        return required if required is not None else self.world_size
+
+    def _choose_world(self) -> WorldChoice:
+        method = getattr(type(self), self._rank_method, None)
+        gpus = getattr(method, "_fsdp_testing_gpus", None)
+        return choose_world_size(
+            self._declared_world_size(),
+            accelerators=_accelerator_count(),
+            min_ranks=gpus[0] if gpus and gpus[1] else None,
+            owner=f"{type(self).__name__}.world_size",
+        )
+
+    def _spec(self, world_size: int | None = None, base_timeout: float | None = None) -> DistSpec:
+        if world_size is None:
+            world_size = self._choose_world().world_size
+        timeout = self.timeout
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if timeout is None and base_timeout is not None:
+            timeout = scaled_timeout(base_timeout, world_size)
+        return DistSpec(world_size, self._launch_backend(), self._mode, timeout)
+
+    def _launch_backend(self) -> str | None:
+        """The class's ``backend`` attribute (None: automatic)."""
+        backend = getattr(type(self), "backend", None)
+        return backend if isinstance(backend, str) else None
+
+    @contextlib.contextmanager
+    def _rank_method_context(self) -> Iterator[None]:
+        """Wraps the test method on each rank (subclasses add engine selection, seeding)."""
+        yield
 
     def _run_on_ranks(self) -> None:
         __tracebackhide__ = True
@@ -256,12 +344,16 @@ class _DistributedTestCase(unittest.TestCase):
             reason = _gpu_skip_reason(*gpus)
             if reason is not None:
                 raise unittest.SkipTest(reason)
-        spec = self._spec()
         settings = session_settings()
+        choice = self._choose_world()
+        spec = self._spec(choice.world_size, settings.timeout)
+        self._fsdp_testing_note = choice.note
         try:
             resolve_backend(spec, settings.backend)
         except UnavailableBackend as exc:
             raise unittest.SkipTest(str(exc)) from None
+        if choice.note:
+            sys.stdout.write(f"{self.id()}: {choice.note}\n")
         fd, file_name = tempfile.mkstemp(prefix="fsdp-testing-store-")
         os.close(fd)
         os.unlink(file_name)
@@ -286,10 +378,11 @@ class _DistributedTestCase(unittest.TestCase):
                 os.unlink(file_name)
         for title, content in verdict.sections:
             sys.stdout.write(f"----- {title} -----\n{content}")
+        note = f" [{choice.note}]" if choice.note else ""
         if verdict.outcome is VerdictOutcome.FAILED:
-            raise DistributedTestFailure(verdict.message)
+            raise DistributedTestFailure(f"{verdict.message}{note}")
         if verdict.outcome in (VerdictOutcome.SKIPPED, VerdictOutcome.XFAILED):
-            raise unittest.SkipTest(verdict.message)
+            raise unittest.SkipTest(f"{verdict.message}{note}")
 
     # --- rank side ----------------------------------------------------------------------------
 
@@ -304,10 +397,21 @@ class _DistributedTestCase(unittest.TestCase):
         except BaseException as exc:
             exc.add_note(f"in setUpRank on rank {ctx.rank}")
             raise
+        world = _compat_world.set(ctx.world_size)
         try:
-            with _compatible_init_process_group(ctx):
+            with _compatible_init_process_group(ctx), self._rank_method_context():
                 getattr(self, method)()
+        except unittest.SkipTest:
+            raise
+        except Exception as exc:
+            reason = _needs_accelerator(exc) if _accelerator_count() == 0 else None
+            if reason is None:
+                raise
+            raise unittest.SkipTest(
+                f"the test needs an accelerator, which this machine lacks ({reason})"
+            ) from exc
         finally:
+            _compat_world.reset(world)
             if self._mode is Mode.THREAD:
                 self.perThreadTearDown()
             self.tearDownRank()
