@@ -62,6 +62,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="engine the reference models and parity checks shard with: fsdp_core (default), "
         "torch_fsdp1 or torch_fsdp2.",
     )
+    group.addoption(
+        "--cpu-world-size",
+        dest="cpu_world_size",
+        default=None,
+        metavar="N",
+        help="ranks for torch-style test classes whose world_size comes out as 0 on a machine "
+        "without GPUs (default 2; never fewer than their skip_if_lt_x_gpu(n)).",
+    )
+    parser.addini("cpu_world_size", "default --cpu-world-size", default=None)
     parser.addini("dist_timeout", "default --dist-timeout", default=None)
     parser.addini("fsdp_engine", "default --fsdp-engine", default=None)
     parser.addini("dist_backend", "default --dist-backend", default=None)
@@ -107,11 +116,43 @@ def pytest_configure(config: pytest.Config) -> None:
         "the warm pool (as --no-dist-pool does for every test).",
     )
     config.stash[_settings_key] = settings = _settings_from(config)
+    _configure_cpu_world_size(config)
     if not config.option.help:
         from fsdp_testing.launcher import set_session_settings
 
         set_session_settings(settings)
         _select_engine(config)
+
+
+def _configure_cpu_world_size(config: pytest.Config) -> None:
+    from fsdp_testing._compat.world import set_cpu_world_size
+
+    raw = config.getoption("cpu_world_size") or config.getini("cpu_world_size")
+    if raw in (None, ""):
+        return
+    try:
+        set_cpu_world_size(int(str(raw).strip()))
+    except ValueError:
+        raise pytest.UsageError(
+            f"--cpu-world-size / cpu_world_size must be a positive number of ranks, got {raw!r}"
+        ) from None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    # A torch-style test run at another world size than its class declares says so.
+    report = yield
+    note = getattr(getattr(item, "instance", None), "_fsdp_testing_note", None)
+    if note and call.when == "call":
+        report.user_properties.append(("fsdp_testing_world", note))
+    return report
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
+    note = dict(report.user_properties).get("fsdp_testing_world")
+    if note and report.when == "call" and report.passed:
+        return "passed", ".", f"PASSED ({note})"
+    return None
 
 
 def _select_engine(config: pytest.Config) -> None:
