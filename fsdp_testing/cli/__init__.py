@@ -5,6 +5,11 @@ imports this package):
 
 - ``check`` (``check.py``): the parity and communication matrix of a sharding engine.
 - ``trace`` (``trace.py``): a Perfetto/Chrome trace and a PNG timeline of a few steps.
+
+Shared by them (and the benchmarks): ``_render.py`` writes to the terminal (rich tables, a live
+progress bar and colour on a terminal, plain lines elsewhere), ``_table.py`` lays out the
+check's results, ``_report.py`` writes its JSON and JUnit reports, and ``_plot.py`` draws the
+pictures with matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations
