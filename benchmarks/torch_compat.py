@@ -1,0 +1,205 @@
+"""How torch's own FSDP test files fare when moved to fsdp_testing by an import change.
+
+For every ``test_*.py`` under DIRECTORY (a copy of torch's ``test/distributed/fsdp/`` and
+``test/distributed/_composable/fsdp/`` for the torch release you use; they are not in the torch
+wheel, get them from the torch source tree or repository at that release's tag), the script:
+
+1. ports the file mechanically: ``torch.testing._internal.common_fsdp`` /
+   ``common_distributed`` / ``common_utils`` become ``fsdp_testing.common_fsdp`` / ... and
+   nothing else changes;
+2. runs the ported file with our harness (pytest, CPU ranks over gloo; ``--engine`` selects
+   what the reference models shard with: ``torch_fsdp1`` by default, ``fsdp_core`` for ours);
+3. runs the original file with torch's own harness (pytest with our plugin disabled);
+
+and prints, per file and harness: passed, failed, skipped (with the reasons, most frequent
+first), collection errors and wall time. ``--json PATH`` writes the same as JSON.
+
+Usage:
+    python benchmarks/torch_compat.py DIRECTORY [--harness ours|torch|both]
+        [--engine NAME] [--timeout SECONDS] [--cpu-world-size N] [-k EXPR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+MIRRORED = ("common_fsdp", "common_distributed", "common_utils")
+_IMPORT = re.compile(r"\btorch\.testing\._internal\.(" + "|".join(MIRRORED) + r")\b")
+_FROM_PACKAGE = re.compile(r"from torch\.testing\._internal import (" + "|".join(MIRRORED) + r")\b")
+
+
+def port_source(source: str) -> str:
+    """The file with its imports of torch's three harness modules pointed at fsdp_testing."""
+    ported = _IMPORT.sub(lambda m: f"fsdp_testing.{m.group(1)}", source)
+    return _FROM_PACKAGE.sub(lambda m: f"from fsdp_testing import {m.group(1)}", ported)
+
+
+@dataclasses.dataclass
+class FileResult:
+    file: str
+    harness: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    timed_out: bool = False
+    skip_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def row(self) -> str:
+        status = "TIMEOUT" if self.timed_out else ""
+        reasons = "; ".join(f"{n}x {r}" for r, n in list(self.skip_reasons.items())[:3])
+        return (
+            f"{self.file:<48} {self.harness:<6} {self.passed:>6} {self.failed:>6} "
+            f"{self.skipped:>7} {self.errors:>6} {self.seconds:>8.1f} {status} {reasons}"
+        )
+
+
+def _short(text: str, limit: int = 160) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _read_junit(path: Path, result: FileResult) -> None:
+    reasons: collections.Counter[str] = collections.Counter()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name', '')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag == "skipped":
+                outcome = "skipped"
+                reasons[_short(child.get("message", ""))] += 1
+            elif child.tag == "failure":
+                outcome = "failed"
+                result.failures[name] = _short(child.get("message", ""), 400)
+            elif child.tag == "error":
+                outcome = "error"
+                result.failures[name] = _short(child.get("message", ""), 400)
+        if outcome == "passed":
+            result.passed += 1
+        elif outcome == "skipped":
+            result.skipped += 1
+        elif outcome == "failed":
+            result.failed += 1
+        else:
+            result.errors += 1
+    result.skip_reasons = dict(reasons.most_common())
+
+
+def run_file(
+    source: Path, root: Path, harness: str, args: argparse.Namespace, workdir: Path
+) -> FileResult:
+    """Run one test file under one harness in its own pytest process."""
+    rel = str(source.relative_to(root))
+    result = FileResult(rel, harness)
+    target_dir = workdir / harness / source.parent.relative_to(root)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / source.name
+    text = source.read_text()
+    target.write_text(port_source(text) if harness == "ours" else text)
+    xml = target.with_suffix(".xml")
+    command = [sys.executable, "-m", "pytest", str(target), "-p", "no:cacheprovider"]
+    command += ["-p", "no:randomly", f"--junitxml={xml}", "-q", "-rN"]
+    command += ["--rootdir", str(target_dir), "-o", "addopts="]
+    env = dict(os.environ)
+    if harness == "ours":
+        if args.engine:
+            command += ["--fsdp-engine", args.engine]
+        if args.cpu_world_size:
+            command += ["--cpu-world-size", str(args.cpu_world_size)]
+    else:
+        command += ["-p", "no:fsdp_testing"]
+    if args.k:
+        command += ["-k", args.k]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            command,
+            cwd=target_dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
+    except subprocess.TimeoutExpired:
+        result.timed_out = True
+        result.seconds = time.monotonic() - start
+        return result
+    result.seconds = time.monotonic() - start
+    if xml.exists():
+        _read_junit(xml, result)
+    if not xml.exists() or proc.returncode in (2, 3, 4):
+        result.errors = max(result.errors, 1)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        result.failures.setdefault("<collection>", _short(" | ".join(tail), 400))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", type=Path, help="folder of torch test files (recursive)")
+    parser.add_argument("--harness", choices=("ours", "torch", "both"), default="both")
+    parser.add_argument(
+        "--engine",
+        default=None,
+        help="--fsdp-engine for our harness (default: the mirror's, torch_fsdp1)",
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per file and harness")
+    parser.add_argument("--cpu-world-size", type=int, default=None)
+    parser.add_argument("-k", default=None, help="pytest -k expression")
+    parser.add_argument("--json", type=Path, default=None, help="write results as JSON")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the ported files here")
+    args = parser.parse_args(argv)
+
+    root = args.directory.resolve()
+    if not root.is_dir():
+        parser.error(f"{root} is not a directory of torch test files")
+    files = sorted(root.rglob("test_*.py"))
+    if not files:
+        parser.error(f"no test_*.py files under {root}")
+    harnesses = ("ours", "torch") if args.harness == "both" else (args.harness,)
+    workdir = Path(tempfile.mkdtemp(prefix="torch-compat-"))
+    results: list[FileResult] = []
+    print(
+        f"{'file':<48} {'harness':<6} {'passed':>6} {'failed':>6} {'skipped':>7} "
+        f"{'errors':>6} {'wall s':>8}  skip reasons"
+    )
+    try:
+        for source in files:
+            for harness in harnesses:
+                result = run_file(source, root, harness, args, workdir)
+                results.append(result)
+                print(result.row(), flush=True)
+                for name, message in result.failures.items():
+                    print(f"    FAIL {name}: {message}", flush=True)
+    finally:
+        if args.keep is not None:
+            shutil.copytree(workdir, args.keep, dirs_exist_ok=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    for harness in harnesses:
+        mine = [r for r in results if r.harness == harness]
+        print(
+            f"TOTAL {harness}: {sum(r.passed for r in mine)} passed, "
+            f"{sum(r.failed for r in mine)} failed, {sum(r.skipped for r in mine)} skipped, "
+            f"{sum(r.errors for r in mine)} errors, {sum(r.seconds for r in mine):.0f} s"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Torch-style tests changed only in their imports; run by tests/unittest_compat/test_torch_port.py."""
+
+import os
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from fsdp_testing.common_distributed import MultiProcContinuousTest, skip_if_lt_x_gpu
+from fsdp_testing.common_fsdp import (
+    CUDAInitMode,
+    FSDPInitMode,
+    FSDPTest,
+    NestedWrappedModule,
+    TransformerWithSharedParams,
+)
+from fsdp_testing.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    subtest,
+    xfailIf,
+)
+
+
+class Config:
+    """An object without a useful repr: names must not carry its address."""
+
+
+class TestSizedByGpus(FSDPTest):
+    @property
+    def world_size(self):
+        return torch.cuda.device_count()
+
+    def test_world_comes_from_the_cpu_world_size(self):
+        expected = int(os.environ.get("EXPECTED_WORLD", "2"))
+        self.assertEqual(dist.get_world_size(), expected)
+        self.assertEqual(self.world_size, expected)
+
+    @skip_if_lt_x_gpu(3)
+    def test_skip_if_lt_x_gpu_guarantees_its_ranks(self):
+        self.assertGreaterEqual(dist.get_world_size(), 3)
+
+    def test_cuda_call_skips_with_the_reason(self):
+        torch.ones(2).cuda()
+
+    def test_tensor_assertions_are_torchs(self):
+        t = torch.full((4,), float(self.rank))
+        dist.all_reduce(t)
+        self.assertEqual(t, [1.0, 1.0, 1.0, 1.0])
+        self.assertEqual([t, t + 1e-7], [t, t])
+        self.assertEqual(t.sum(), 4)
+        self.assertNotEqual(t, t + 1)
+
+    def test_models_shard_with_torchs_fsdp_by_default(self):
+        model = TransformerWithSharedParams.init(
+            self.process_group, FSDPInitMode.RECURSIVE, CUDAInitMode.CUDA_BEFORE
+        )
+        self.assertIsInstance(model, FullyShardedDataParallel)
+
+    def test_parity_accepts_the_old_keyword(self):
+        self._test_fsdp_parity(
+            NestedWrappedModule,
+            FSDPInitMode.RECURSIVE,
+            cuda_init_mode=CUDAInitMode.CUDA_BEFORE,
+            num_iters=1,
+        )
+
+    @parametrize(
+        "config",
+        [
+            subtest(Config(), name="first"),
+            Config(),
+            subtest(None, name="expected_to_fail", decorators=[xfailIf(True)]),
+        ],
+    )
+    def test_subtest_values(self, config):
+        if config is None:
+            raise AssertionError("this case is expected to fail")
+        self.assertIsInstance(config, Config)
+
+
+instantiate_parametrized_tests(TestSizedByGpus)
+
+
+class TestContinuous(MultiProcContinuousTest):
+    world_size = 2
+
+    def test_a_fails(self):
+        self.assertEqual(self.rank, -1)
+
+    def test_b_still_runs(self):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.pg)
+        self.assertEqual(t.item(), 2.0)
+
+
+class TestPlainAssert(unittest.TestCase):
+    def test_module_imports_without_ranks(self):
+        self.assertTrue(issubclass(nn.Linear, nn.Module))
+
+
+if __name__ == "__main__":
+    run_tests()
