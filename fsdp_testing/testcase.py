@@ -176,6 +176,7 @@ _NO_ACCELERATOR_ERRORS = (
     "Tried to instantiate dummy base class",
     "Distributed package doesn't have NCCL built in",
     "module 'torch.cpu' has no attribute",
+    "FSDP needs a non-CPU accelerator device",
     # DDP(device_ids=[rank]) on a CPU module: the body assumes one accelerator per rank.
     "device_ids and output_device arguments only work with single-device/multiple-device GPU",
 )

@@ -5,9 +5,11 @@ A file moved off ``torch.testing._internal`` by its imports alone has a body wri
 torch's FSDP (``isinstance(m, FullyShardedDataParallel)``, ``fully_shard``, FSDP1 internals).
 So the torch-compatible classes build the reference models and run ``_test_fsdp_parity`` with
 torch's FSDP1 (engine ``torch_fsdp1``), and the unit patches (``patch_unshard``, ...) reach
-torch's FSDP2, as torch's helpers do. fsdp_core is chosen explicitly: ``--fsdp-engine
-fsdp_core`` (or the ini key), or ``fsdp_engine = "fsdp_core"`` on the class. The native API
-(``@pytest.mark.distributed``, ``fsdp_testing.parity``, the CLI) defaults to fsdp_core.
+torch's FSDP2, as torch's helpers do (the body's own ``fully_shard`` is torch's; pass
+``engine=`` to patch another engine's units). fsdp_core is chosen explicitly for the models and
+parity: ``--fsdp-engine fsdp_core`` (or the ini key), or ``fsdp_engine = "fsdp_core"`` on the
+class. The native API (``@pytest.mark.distributed``, ``fsdp_testing.parity``, the CLI) defaults
+to fsdp_core.
 """
 
 from __future__ import annotations
@@ -75,10 +77,9 @@ def mirror_engine(test_case: object = None) -> str:
 
 
 def _unit_engine(engine: object) -> Any:
-    # torch's unit patches target FSDP2; fsdp_core's own fully_shard when it is chosen.
-    if engine is not None:
-        return engine
-    return "fsdp_core" if _explicit_engine() == "fsdp_core" else "torch_fsdp2"
+    # torch's unit patches target FSDP2's FSDPParamGroup, which is what a torch-style body's
+    # fully_shard uses whatever --fsdp-engine says; engine= reaches another engine's units.
+    return engine if engine is not None else "torch_fsdp2"
 
 
 def get_devtype() -> torch.device:
