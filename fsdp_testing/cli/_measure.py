@@ -1,24 +1,6 @@
 """Measurements taken on a rank: collectives on the wire, resident memory, and the theoretical
-communication volume of a sharded model.
-
-[Note: theoretical volume]
-For every unit (one all-gather and one gradient reduction per pass) the theory is computed from
-the unit's parameters and the world size, not from what the engine sends:
-
-- all-gather bytes per step = sum over units of the padded unsharded bytes x gathers per step,
-  where a sharded unit is gathered once in forward and, under ``FULL_SHARD``, once more in
-  backward. Two exceptions follow from the algorithm, not from the engine: the root keeps its
-  parameters from forward to backward (they are the first that backward needs), and a unit
-  whose parameters are all frozen is upstream of every trainable one in our reference models,
-  so no gradient flows through it and backward never needs it.
-- reduce-scatter bytes per step = sum over units with trainable parameters of their padded
-  unsharded bytes (one reduce-scatter each); a replicated unit (``NO_SHARD``) all-reduces the
-  unpadded bytes instead, and a unit over a group of one rank sends nothing.
-
-Padding is the layout's: ``fsdp_core`` and FSDP2 pad every parameter in dim 0 to a multiple of
-the world size; FSDP1 pads one flat parameter per unit. ``fsdp_core`` also sends an order tag
-with every unit collective: two elements per rank after each rank's all-gather block and after
-each row of a reduction (``[Note: order check]`` in ``fsdp_core/_order_check.py``).
+communication volume of a sharded model (which its engine computes: see [Note: theoretical
+volume] in ``fsdp_testing/engines/_volume.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +8,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import math
 import resource
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from fsdp_testing.collectives import Form, spellings
+from fsdp_testing.engines._volume import CommVolume, UnitVolume
+
+if TYPE_CHECKING:
+    from fsdp_testing.engines import FSDPEngine
 
 __all__ = [
     "CollectiveCall",
@@ -43,19 +30,14 @@ __all__ = [
     "theoretical_volume",
 ]
 
-# Collective name -> (kind, index of the argument whose size is the volume, "list" if a list).
+_WATCHED_FAMILIES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+# Name -> (family, index of the argument whose size is the volume, whether it is a list): every
+# spelling of the families above that moves tensors (the table in fsdp_testing.collectives).
 _WATCHED: dict[str, tuple[str, int, bool]] = {
-    "all_gather_single": ("all_gather", 0, False),
-    "all_gather_into_tensor": ("all_gather", 0, False),
-    "_all_gather_base": ("all_gather", 0, False),
-    "all_gather": ("all_gather", 0, True),
-    "reduce_scatter_single": ("reduce_scatter", 1, False),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, False),
-    "_reduce_scatter_base": ("reduce_scatter", 1, False),
-    "reduce_scatter": ("reduce_scatter", 1, True),
-    "all_reduce": ("all_reduce", 0, False),
-    "broadcast": ("broadcast", 0, False),
-    "all_to_all_single": ("all_to_all", 1, False),
+    s.name: (s.family, s.sized, s.form is Form.LIST)
+    for family in _WATCHED_FAMILIES
+    for s in spellings(family, [Form.TENSOR, Form.LIST, Form.INPLACE])
+    if s.sized is not None
 }
 
 
@@ -67,7 +49,8 @@ class CollectiveCall:
     op: str
     """The function called, e.g. ``"all_gather_single"``."""
     kind: str
-    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast`` or ``all_to_all``."""
+    """The family (:mod:`fsdp_testing.collectives`): ``all_gather``, ``reduce_scatter``,
+    ``all_reduce``, ``broadcast`` or ``all_to_all``."""
     bytes: int
     """Size of the unsharded side: all-gather output, reduce-scatter input, all-reduce tensor."""
     group_size: int
@@ -193,193 +176,25 @@ def current_rss_bytes() -> int:
 # -- theory ---------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitVolume:
-    """One unit's share of the theoretical volume. See [Note: theoretical volume]."""
-
-    name: str
-    gather_bytes: int
-    """Padded unsharded bytes of all its parameters (0 when replicated)."""
-    reduce_bytes: int
-    """Bytes of its trainable parameters' gradients as reduced (padded when sharded)."""
-    gathers: int
-    """All-gathers per step."""
-    reduce_kind: str | None
-    """``reduce_scatter``, ``all_reduce`` or None (nothing to reduce, or a group of one)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CommVolume:
-    """The theoretical collectives of one training step: ``kind -> (count, bytes)``."""
-
-    layout: str
-    units: tuple[UnitVolume, ...]
-
-    def totals(self) -> dict[str, tuple[int, int]]:
-        out: dict[str, tuple[int, int]] = {}
-        for unit in self.units:
-            if unit.gathers:
-                count, size = out.get("all_gather", (0, 0))
-                out["all_gather"] = (count + unit.gathers, size + unit.gathers * unit.gather_bytes)
-            if unit.reduce_kind is not None:
-                count, size = out.get(unit.reduce_kind, (0, 0))
-                out[unit.reduce_kind] = (count + 1, size + unit.reduce_bytes)
-        return out
-
-
-def _gathers(sharded: bool, is_root: bool, trainable: bool, reshard_after_forward: bool) -> int:
-    if not sharded:
-        return 0
-    if reshard_after_forward and not is_root and trainable:
-        return 2
-    return 1
-
-
-def _padded_bytes(shape: tuple[int, ...], world: int, itemsize: int) -> int:
-    rows = shape[0] if shape else 1
-    rest = math.prod(shape[1:]) if len(shape) > 1 else 1
-    return math.ceil(rows / world) * world * rest * itemsize
-
-
-def _core_volume(model: Any, full_shard: bool) -> CommVolume | None:
-    try:
-        from fsdp_core import FullyShardedDataParallel as CoreFSDP
-    except ImportError:
-        return None
-    instances = CoreFSDP.fsdp_modules(model)
-    if not instances:
-        return None
-    units = []
-    for instance in instances:
-        unit = instance._unit
-        if unit is None:
-            continue
-        world = unit.group_size
-        sharded = not unit.replicate
-        trainable = [p for p in unit.params if p.requires_grad]
-        # Gathered in the compute dtype and reduced in the reduce dtype (mixed precision).
-        precision = getattr(unit, "precision", None)
-        gather_size = getattr(precision, "param_dtype", None) or unit.dtype
-        reduce_size = getattr(precision, "reduce_dtype", None) or unit.dtype
-
-        def size(p: Any, itemsize: int, world: int = world, sharded: bool = sharded) -> int:
-            shape = tuple(p.full_shape)
-            if sharded:
-                return _padded_bytes(shape, world, itemsize)
-            return math.prod(shape) * itemsize
-
-        reduce_kind = None
-        if trainable and world > 1:
-            reduce_kind = "reduce_scatter" if sharded else "all_reduce"
-        # The order tag (elements): per rank of a gather; per rank per row of a reduction.
-        tagged = getattr(unit, "order_tags", None) is not None
-        gather_tag = 2 * world if tagged else 0
-        reduce_tag = 2 * world * (world if sharded else 1) if tagged and reduce_kind else 0
-        units.append(
-            UnitVolume(
-                name=instance._fsdp_state.fqn or "<root>",
-                gather_bytes=(
-                    sum(size(p, gather_size.itemsize) for p in unit.params)
-                    + gather_tag * gather_size.itemsize
-                    if sharded
-                    else 0
-                ),
-                reduce_bytes=sum(size(p, reduce_size.itemsize) for p in trainable)
-                + reduce_tag * reduce_size.itemsize,
-                gathers=_gathers(
-                    sharded, bool(instance._fsdp_state.is_root), bool(trainable), full_shard
-                ),
-                reduce_kind=reduce_kind,
-            )
-        )
-    return CommVolume("fsdp_core: per-parameter dim-0 padding", tuple(units))
-
-
-def _fsdp1_volume(model: Any, full_shard: bool) -> CommVolume | None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-
-    instances = TorchFSDP.fsdp_modules(model)
-    if not instances:
-        return None
-    units = []
-    for instance in instances:
-        handle = getattr(instance, "_handle", None)
-        if handle is None:
-            continue
-        flat = handle.flat_param
-        world = instance.world_size
-        sharded = handle.uses_sharded_strategy
-        # Gathered in the compute dtype, reduced in the reduce dtype (mixed precision).
-        gather_size = (getattr(handle, "_fwd_bwd_param_dtype", None) or flat.dtype).itemsize
-        reduce_size = (getattr(handle, "_reduce_dtype", None) or flat.dtype).itemsize
-        numel = sum(flat._numels_with_padding)
-        padded = math.ceil(numel / world) * world if sharded else numel
-        trainable = flat.requires_grad
-        reduce_kind = None
-        if trainable and world > 1:
-            reduce_kind = "reduce_scatter" if sharded else "all_reduce"
-        units.append(
-            UnitVolume(
-                name=type(instance.module).__name__,
-                gather_bytes=padded * gather_size if sharded else 0,
-                reduce_bytes=padded * reduce_size if trainable else 0,
-                gathers=_gathers(sharded, bool(instance._is_root), trainable, full_shard),
-                reduce_kind=reduce_kind,
-            )
-        )
-    return CommVolume("torch FSDP1: one flat parameter per unit, padded", tuple(units))
-
-
-def _fsdp2_volume(model: Any, full_shard: bool) -> CommVolume | None:
-    from torch.distributed.fsdp import FSDPModule
-
-    units = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        group = state._fsdp_param_group
-        if group is None:
-            continue
-        world = group.mesh_info.shard_mesh_size  # type: ignore[attr-defined]
-        if world == 1:
-            continue  # nothing to gather or reduce over a group of one rank
-        gather = reduce = 0
-        trainable = False
-        for fp in group.fsdp_params:
-            numel = math.prod(fp.padded_sharded_param_size) * world
-            gather += numel * (fp.param_dtype or fp.orig_dtype).itemsize
-            if fp.sharded_param.requires_grad:
-                trainable = True
-                reduce += numel * (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype).itemsize
-        units.append(
-            UnitVolume(
-                name=type(module).__name__,
-                gather_bytes=gather,
-                reduce_bytes=reduce,
-                gathers=_gathers(True, bool(state._is_root), trainable, full_shard),
-                reduce_kind="reduce_scatter" if trainable and world > 1 else None,
-            )
-        )
-    if not units:
-        return None
-    return CommVolume("torch FSDP2: per-parameter dim-0 padding", tuple(units))
-
-
-def theoretical_volume(model: Any, *, full_shard: bool) -> CommVolume | None:
-    """The theoretical collectives per step of ``model`` as sharded by any of the three engines,
-    or None when the layout is not one of theirs. See [Note: theoretical volume].
+def theoretical_volume(
+    model: Any, *, full_shard: bool, engine: FSDPEngine | None = None
+) -> CommVolume | None:
+    """The theoretical collectives per step of ``model``, as its engine computes them
+    (``engine.theoretical_volume``), or None when no engine has a theory for it.
 
     Args:
         model: the sharded model.
         full_shard: units reshard after forward (``FULL_SHARD``; FSDP2's
             ``reshard_after_forward=True``).
+        engine: the engine that sharded ``model`` (default: found with ``engine_for``).
     """
-    for compute in (_core_volume, _fsdp1_volume, _fsdp2_volume):
-        try:
-            found = compute(model, full_shard)
-        except (AttributeError, ImportError):
-            found = None
-        if found is not None:
-            return found
-    return None
+    from fsdp_testing.engines import engine_for
+
+    engine = engine if engine is not None else engine_for(model)
+    if engine is None:
+        return None
+    try:
+        return engine.theoretical_volume(model, full_shard=full_shard)
+    except (AttributeError, ImportError):
+        # The engine's private state moved (another torch): no theory rather than a crash.
+        return None

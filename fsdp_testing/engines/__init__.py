@@ -4,32 +4,45 @@ Select one per run (``--fsdp-engine NAME``, which calls :func:`set_default_engin
 (``with use_engine("torch_fsdp2"): ...``) or explicitly (``get_engine(name).wrap(module)``).
 Engine modules import their sharding implementation lazily, so importing this package needs
 neither ``fsdp_core`` nor torch's FSDP modules.
+
+By role: ``_base`` (the :class:`FSDPEngine` protocol, :class:`BaseEngine` defaults, shared
+helpers), ``_registry`` (names, the default and the per-context choice), ``_probe`` (what the
+recorder asks an engine), ``_volume`` (the theoretical communication of a step), ``_wrapper``
+(the FSDP1-style wrapper API both ``fsdp_core`` and FSDP1 have), and one module per engine.
 """
 
 from ._base import (
     UNIT_EVENTS,
+    BaseEngine,
     FSDPEngine,
     PatchTarget,
     clean_param_name,
     modules_selected_by_policy,
     translate_kwargs,
 )
+from ._probe import Probe
 from ._registry import (
     DEFAULT_ENGINE,
     available_engines,
     current_engine,
     get_engine,
     register_engine,
+    resolve_engine,
     set_default_engine,
     unregister_engine,
     use_engine,
 )
+from ._volume import CommVolume, UnitVolume
 
 __all__ = [
     "DEFAULT_ENGINE",
     "UNIT_EVENTS",
+    "BaseEngine",
+    "CommVolume",
     "FSDPEngine",
     "PatchTarget",
+    "Probe",
+    "UnitVolume",
     "available_engines",
     "clean_param_name",
     "current_engine",
@@ -37,6 +50,7 @@ __all__ = [
     "get_engine",
     "modules_selected_by_policy",
     "register_engine",
+    "resolve_engine",
     "set_default_engine",
     "translate_kwargs",
     "unregister_engine",
@@ -47,19 +61,13 @@ __all__ = [
 def engine_for(module: object) -> FSDPEngine | None:
     """The engine that sharded ``module`` (or a submodule), or ``None`` for a plain module.
 
-    The current engine is asked first; ``fsdp_core`` is only asked once it has been imported.
+    The current engine is asked first, then every registered engine.
 
     Args:
         module: any ``nn.Module``.
     """
-    import sys
-
     first = current_engine()
-    candidates = [first] + [
-        get_engine(name)
-        for name in available_engines()
-        if name != first.name and (name != "fsdp_core" or "fsdp_core" in sys.modules)
-    ]
+    candidates = [first] + [get_engine(n) for n in available_engines() if n != first.name]
     for engine in candidates:
         try:
             if engine.manages(module):  # type: ignore[arg-type]

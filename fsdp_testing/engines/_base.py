@@ -1,16 +1,17 @@
-"""The engine protocol and the helpers that the engine modules share.
+"""The engine protocol, the defaults an engine inherits, and the helpers engine modules share.
 
 An engine is the one place that knows how a sharding implementation spells "wrap this module",
-"show me the full parameters" and "which function reshards a unit". Models and parity checks talk
-to engines only through :class:`FSDPEngine`, so the same test runs against ``fsdp_core``,
-torch's FSDP1 wrapper and torch's FSDP2 ``fully_shard``.
+"show me the full parameters", "which function reshards a unit", "what does a unit look like to
+the recorder" and "how many bytes should one step send". Models, parity checks, patching, the
+recorder and the command line talk to engines only through :class:`FSDPEngine`, so the same test
+runs against ``fsdp_core``, torch's FSDP1 wrapper and torch's FSDP2 ``fully_shard``, and adding
+an engine is writing one module (see ``docs/models.md``, "Adding an engine").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -19,9 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._probe import Probe
+from ._volume import CommVolume
+
 __all__ = [
     "OPTIONAL_PATCH_EVENTS",
     "UNIT_EVENTS",
+    "BaseEngine",
     "FSDPEngine",
     "PatchTarget",
     "broadcast_module_states",
@@ -40,8 +45,9 @@ UNIT_EVENTS = ("unshard", "reshard", "post_backward")
 #: function around which FSDP2 runs its post-backward (``RegisterPostBackwardFunction``).
 OPTIONAL_PATCH_EVENTS = ("register_post_backward_hook_backward",)
 
-# Prefixes that wrappers insert into parameter names; removing them gives the names the user wrote.
-_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+# Name parts that wrappers insert (FSDP1, activation checkpointing, torch.compile); removing them
+# gives the names the user wrote.
+_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 class PatchTarget(NamedTuple):
@@ -137,10 +143,51 @@ class FSDPEngine(Protocol):
         """
         ...
 
+    def probe(self) -> Probe:
+        """What the recorder asks about this engine's units (see :class:`Probe`)."""
+        ...
+
+    def theoretical_volume(self, module: nn.Module, *, full_shard: bool) -> CommVolume | None:
+        """The collectives one training step of ``module`` (sharded by this engine) should
+        send, or None when the engine has no theory for it. See [Note: theoretical volume] in
+        ``engines/_volume.py``.
+
+        Args:
+            module: the sharded model.
+            full_shard: units reshard after forward (``FULL_SHARD``).
+        """
+        ...
+
+    def full_precision_classes(self, mixed_precision: Any) -> tuple[type[nn.Module], ...]:
+        """Module classes that this engine itself keeps out of ``mixed_precision`` (FSDP1
+        wraps batch norms separately with mixed precision off); empty for the others."""
+        ...
+
+
+class BaseEngine:
+    """Defaults for the parts of :class:`FSDPEngine` that an engine may leave out: a recorder
+    probe that infers nothing, no theoretical volume, no module kept out of mixed precision."""
+
+    name: str = ""
+
+    def probe(self) -> Probe:
+        return Probe()
+
+    def theoretical_volume(self, module: nn.Module, *, full_shard: bool) -> CommVolume | None:
+        return None
+
+    def full_precision_classes(self, mixed_precision: Any) -> tuple[type[nn.Module], ...]:
+        return ()
+
+    def __repr__(self) -> str:
+        return f"<engine {self.name}>"
+
 
 def clean_param_name(name: str) -> str:
-    """Removes wrapper prefixes (FSDP1, activation checkpointing, ``torch.compile``)."""
-    return _WRAPPER_PREFIXES.sub("", name)
+    """A parameter or module name without the parts that wrappers insert (FSDP1's
+    ``_fsdp_wrapped_module``, activation checkpointing, ``torch.compile``):
+    ``"_fsdp_wrapped_module.0._fsdp_wrapped_module.weight"`` -> ``"0.weight"``."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
 def has_accelerator() -> bool:

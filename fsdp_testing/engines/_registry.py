@@ -21,6 +21,7 @@ __all__ = [
     "current_engine",
     "get_engine",
     "register_engine",
+    "resolve_engine",
     "set_default_engine",
     "unregister_engine",
     "use_engine",
@@ -125,6 +126,34 @@ def current_engine() -> FSDPEngine:
     """The engine selected by the innermost :func:`use_engine`, else the default engine."""
     selected = _selected.get()
     return selected if selected is not None else get_engine(_default_name)
+
+
+def resolve_engine(engine: str | FSDPEngine | None) -> FSDPEngine:
+    """The engine that an ``engine=`` argument (or ``fsdp-testing check --engine``) names.
+
+    Args:
+        engine: None for :func:`current_engine`; an engine object, returned as is; a registered
+            name; or ``"module:attribute"`` naming an engine object or class outside the
+            registry (a class is instantiated), e.g. a deliberately broken engine in a test.
+
+    Raises:
+        ValueError: an unknown name, or a ``module:attribute`` that cannot be imported.
+    """
+    if engine is None:
+        return current_engine()
+    if not isinstance(engine, str):
+        return engine
+    if ":" not in engine:
+        return get_engine(engine)
+    module_name, _, attribute = engine.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(
+            f"resolve_engine: cannot load engine {engine!r} ({error}); give a registered name "
+            f"({', '.join(available_engines())}) or module:attribute of an importable engine"
+        ) from error
+    return found() if isinstance(found, type) else found
 
 
 @contextlib.contextmanager

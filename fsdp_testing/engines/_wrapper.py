@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._base import UNIT_EVENTS, PatchTarget, clean_param_name, translate_kwargs
+from ._base import UNIT_EVENTS, BaseEngine, PatchTarget, clean_param_name, translate_kwargs
 
 __all__ = ["WrapperEngine"]
 
@@ -31,7 +31,7 @@ def _wrap_stack(engine: object) -> list[tuple[dist.ProcessGroup | None, dict[str
     return stacks.setdefault(id(engine), [])
 
 
-class WrapperEngine:
+class WrapperEngine(BaseEngine):
     """An engine whose sharded modules are instances of an FSDP1-style wrapper class.
 
     Subclasses implement :meth:`_load_api`, returning a namespace with ``FSDP`` (the wrapper
@@ -174,6 +174,3 @@ class WrapperEngine:
                 "(use_engine('torch_fsdp1') or --fsdp-engine torch_fsdp1)"
             )
         return found
-
-    def __repr__(self) -> str:
-        return f"<engine {self.name}>"

@@ -3,14 +3,26 @@
 ``fsdp_core`` is imported on first use, not when this module is imported, so selecting another
 engine never needs the core. A piece the core does not provide yet raises NotImplementedError
 naming it and the engines to use instead.
+
+The core publishes its own events (:mod:`fsdp_core.events`): the recorder subscribes to them
+through this engine's probe instead of inferring anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import math
+import sys
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
+
+import torch.nn as nn
 
 from ._base import PatchTarget
+from ._probe import Probe
+from ._volume import CommVolume, UnitVolume, gathers_per_step, padded_bytes
 from ._wrapper import WrapperEngine
 
 __all__ = ["FSDPCoreEngine"]
@@ -53,6 +65,80 @@ class FSDPCoreEngine(WrapperEngine):
                 for event in ("unshard", "reshard", "post_backward")
             },
         )
+
+    def manages(self, module: nn.Module) -> bool:
+        # A process that never imported fsdp_core holds no module of it; asking would import it.
+        return "fsdp_core" in sys.modules and super().manages(module)
+
+    def probe(self) -> Probe:
+        return _CoreProbe()
+
+    def theoretical_volume(self, module: nn.Module, *, full_shard: bool) -> CommVolume | None:
+        units = []
+        for instance in self.api.FSDP.fsdp_modules(module):
+            unit = instance._unit
+            if unit is None:
+                continue
+            units.append(_unit_volume(instance, unit, full_shard))
+        if not units:
+            return None
+        return CommVolume("fsdp_core: per-parameter dim-0 padding", tuple(units))
+
+
+def _unit_volume(instance: Any, unit: Any, full_shard: bool) -> UnitVolume:
+    world = unit.group_size
+    sharded = not unit.replicate
+    trainable = [p for p in unit.params if p.requires_grad]
+    # Gathered in the compute dtype and reduced in the reduce dtype (mixed precision).
+    precision = getattr(unit, "precision", None)
+    gather_dtype = getattr(precision, "param_dtype", None) or unit.dtype
+    reduce_dtype = getattr(precision, "reduce_dtype", None) or unit.dtype
+
+    def size(param: Any, itemsize: int) -> int:
+        shape = tuple(param.full_shape)
+        return padded_bytes(shape, world, itemsize) if sharded else math.prod(shape) * itemsize
+
+    reduce_kind = None
+    if trainable and world > 1:
+        reduce_kind = "reduce_scatter" if sharded else "all_reduce"
+    # The order tag (elements): per rank of a gather; per rank per row of a reduction.
+    tagged = getattr(unit, "order_tags", None) is not None
+    gather_tag = 2 * world if tagged else 0
+    reduce_tag = 2 * world * (world if sharded else 1) if tagged and reduce_kind else 0
+    gathered = sum(size(p, gather_dtype.itemsize) for p in unit.params)
+    return UnitVolume(
+        name=instance._fsdp_state.fqn or "<root>",
+        gather_bytes=gathered + gather_tag * gather_dtype.itemsize if sharded else 0,
+        reduce_bytes=sum(size(p, reduce_dtype.itemsize) for p in trainable)
+        + reduce_tag * reduce_dtype.itemsize,
+        gathers=gathers_per_step(
+            sharded=sharded,
+            is_root=bool(instance._fsdp_state.is_root),
+            trainable=bool(trainable),
+            reshard_after_forward=full_shard,
+        ),
+        reduce_kind=reduce_kind,
+    )
+
+
+class _CoreProbe(Probe):
+    """The core names its units and publishes every transition, collective and offload copy."""
+
+    exact = True
+
+    @property
+    def reports_offload_copies(self) -> bool:
+        return hasattr(_events(), "OffloadCopy")
+
+    def subscribe(self, callback: Callable[[Any], None]) -> contextlib.AbstractContextManager[Any]:
+        return _events().subscribe(callback)
+
+    def fallback_name(self, unit: Any) -> str:
+        return str(getattr(unit, "name", "")) or super().fallback_name(unit)
+
+
+def _events() -> Any:
+    return _import("fsdp_core.events")
 
 
 def _import(module_name: str) -> object:

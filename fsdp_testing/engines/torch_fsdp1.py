@@ -13,14 +13,17 @@ offloading with a NotImplementedError. With an accelerator, arguments pass throu
 from __future__ import annotations
 
 import importlib
+import math
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._base import PatchTarget, broadcast_module_states, has_accelerator
+from ._base import PatchTarget, broadcast_module_states, has_accelerator, translate_kwargs
+from ._probe import Probe, infer_reason_from_torch_caller
+from ._volume import CommVolume, UnitVolume, gathers_per_step
 from ._wrapper import WrapperEngine
 
 __all__ = ["TorchFSDP1Engine"]
@@ -89,6 +92,93 @@ class TorchFSDP1Engine(WrapperEngine):
                 module, process_group, skip=lambda m: isinstance(m, self.api.FSDP)
             )
         return kwargs
+
+    def probe(self) -> Probe:
+        return _FSDP1Probe()
+
+    def theoretical_volume(self, module: nn.Module, *, full_shard: bool) -> CommVolume | None:
+        units = [
+            _unit_volume(instance, instance._handle, full_shard)
+            for instance in self.api.FSDP.fsdp_modules(module)
+            if getattr(instance, "_handle", None) is not None
+        ]
+        if not units:
+            return None
+        return CommVolume("torch FSDP1: one flat parameter per unit, padded", tuple(units))
+
+    def full_precision_classes(self, mixed_precision: Any) -> tuple[type[nn.Module], ...]:
+        # FSDP1 wraps these separately with mixed precision off (MixedPrecision's
+        # ``_module_classes_to_ignore``, batch norms by default), whatever policy was given.
+        if mixed_precision is None:
+            return ()
+        policy = translate_kwargs({"mixed_precision": mixed_precision}, self.api.option_types)
+        return tuple(getattr(policy["mixed_precision"], "_module_classes_to_ignore", ()))
+
+
+def _unit_volume(instance: Any, handle: Any, full_shard: bool) -> UnitVolume:
+    """One flat parameter: gathered in the compute dtype, reduced in the reduce dtype."""
+    flat = handle.flat_param
+    world = instance.world_size
+    sharded = handle.uses_sharded_strategy
+    gather_size = (getattr(handle, "_fwd_bwd_param_dtype", None) or flat.dtype).itemsize
+    reduce_size = (getattr(handle, "_reduce_dtype", None) or flat.dtype).itemsize
+    numel = sum(flat._numels_with_padding)
+    padded = math.ceil(numel / world) * world if sharded else numel
+    trainable = flat.requires_grad
+    reduce_kind = None
+    if trainable and world > 1:
+        reduce_kind = "reduce_scatter" if sharded else "all_reduce"
+    return UnitVolume(
+        name=type(instance.module).__name__,
+        gather_bytes=padded * gather_size if sharded else 0,
+        reduce_bytes=padded * reduce_size if trainable else 0,
+        gathers=gathers_per_step(
+            sharded=sharded,
+            is_root=bool(instance._is_root),
+            trainable=trainable,
+            reshard_after_forward=full_shard,
+        ),
+        reduce_kind=reduce_kind,
+    )
+
+
+class _FSDP1Probe(Probe):
+    """A unit is a ``FlatParamHandle``; transitions are ``(state, handle, ...)`` free functions,
+    called by FSDP1 functions that tell the reason."""
+
+    _UNSHARD: ClassVar[dict[str, str]] = {
+        "_pre_forward_unshard": "forward",
+        "_pre_backward_hook": "backward",
+    }
+    _RESHARD: ClassVar[dict[str, str]] = {
+        "_post_forward_reshard": "forward",
+        "_post_backward_reshard": "backward",
+        "_catch_all_reshard": "backward",
+    }
+
+    def unit(self, args: tuple[Any, ...]) -> Any:
+        return args[1] if len(args) > 1 else None  # (state, handle, ...)
+
+    def unsharded(self, handle: Any) -> bool | None:
+        if handle is None or not handle.uses_sharded_strategy:
+            return False
+        return not handle.needs_unshard()
+
+    def devices(self, handle: Any, *, sharded: bool) -> tuple[str, ...]:
+        flat = handle.flat_param
+        tensor = flat._local_shard if sharded else flat
+        return (str(tensor.device),) * int(getattr(flat, "_num_params", 1))
+
+    def offload(self, handle: Any) -> bool | None:
+        return bool(getattr(handle, "_offload_params", False))
+
+    def modules(self, handle: Any) -> tuple[nn.Module, ...]:
+        module = getattr(handle, "_fully_sharded_module", None)
+        return (module,) if module is not None else ()
+
+    def reason(self, kind: str) -> str:
+        table = self._UNSHARD if kind == "unshard" else self._RESHARD
+        return infer_reason_from_torch_caller(kind, table, "prefetch_mode")
 
 
 def _attach_functional_collectives() -> None:

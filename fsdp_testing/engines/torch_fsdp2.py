@@ -29,8 +29,9 @@ Anything else (NO_SHARD, hybrid strategies, ``buffer_dtype``, ``keep_low_precisi
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ import torch.nn as nn
 from ._base import (
     OPTIONAL_PATCH_EVENTS,
     UNIT_EVENTS,
+    BaseEngine,
     PatchTarget,
     broadcast_module_states,
     clean_param_name,
@@ -46,6 +48,8 @@ from ._base import (
     has_accelerator,
     modules_selected_by_policy,
 )
+from ._probe import Probe, infer_reason_from_torch_caller
+from ._volume import CommVolume, UnitVolume, gathers_per_step
 
 __all__ = ["TorchFSDP2Engine"]
 
@@ -83,7 +87,7 @@ def _root_keeps_parameters_by_default() -> bool:
     return default is None
 
 
-class TorchFSDP2Engine:
+class TorchFSDP2Engine(BaseEngine):
     """:class:`~fsdp_testing.engines.FSDPEngine` for torch's ``fully_shard``.
 
     The unit class is ``FSDPParamGroup``; its ``unshard``, ``reshard`` and ``post_backward``
@@ -295,5 +299,82 @@ class TorchFSDP2Engine:
             )
         return PatchTarget(self.unit_class, event)
 
-    def __repr__(self) -> str:
-        return f"<engine {self.name}>"
+    # -- recording and theory --------------------------------------------------------------------
+
+    def probe(self) -> Probe:
+        return _FSDP2Probe()
+
+    def theoretical_volume(self, module: nn.Module, *, full_shard: bool) -> CommVolume | None:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = []
+        for submodule in module.modules():
+            if not isinstance(submodule, FSDPModule):
+                continue
+            state = submodule._get_fsdp_state()
+            group = state._fsdp_param_group
+            if group is None:
+                continue
+            world = group.mesh_info.shard_mesh_size  # type: ignore[attr-defined]
+            if world == 1:
+                continue  # nothing to gather or reduce over a group of one rank
+            units.append(_unit_volume(submodule, group, world, bool(state._is_root), full_shard))
+        if not units:
+            return None
+        return CommVolume("torch FSDP2: per-parameter dim-0 padding", tuple(units))
+
+
+def _unit_volume(
+    module: nn.Module, group: Any, world: int, is_root: bool, full_shard: bool
+) -> UnitVolume:
+    """One ``FSDPParamGroup``: every parameter padded in dim 0, gathered in ``param_dtype`` and
+    reduced in ``reduce_dtype``."""
+    gather = reduce = 0
+    trainable = False
+    for fp in group.fsdp_params:
+        numel = math.prod(fp.padded_sharded_param_size) * world
+        gather += numel * (fp.param_dtype or fp.orig_dtype).itemsize
+        if fp.sharded_param.requires_grad:
+            trainable = True
+            reduce += numel * (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype).itemsize
+    return UnitVolume(
+        name=type(module).__name__,
+        gather_bytes=gather,
+        reduce_bytes=reduce,
+        gathers=gathers_per_step(
+            sharded=True, is_root=is_root, trainable=trainable, reshard_after_forward=full_shard
+        ),
+        reduce_kind="reduce_scatter" if trainable else None,
+    )
+
+
+class _FSDP2Probe(Probe):
+    """A unit is an ``FSDPParamGroup``; FSDP2 functions that call its transitions tell the
+    reason."""
+
+    _UNSHARD: ClassVar[dict[str, str]] = {"pre_forward": "forward", "pre_backward": "backward"}
+    _RESHARD: ClassVar[dict[str, str]] = {"post_forward": "forward", "post_backward": "backward"}
+
+    def unsharded(self, group: Any) -> bool | None:
+        return bool(group.is_unsharded or group._all_gather_result is not None)
+
+    def devices(self, group: Any, *, sharded: bool) -> tuple[str, ...]:
+        if not sharded:
+            return (str(group.device),) * len(group.fsdp_params)
+        return tuple(
+            str(getattr(fp, "_sharded_param_data", fp.sharded_param).device)
+            for fp in group.fsdp_params
+        )
+
+    def offload(self, group: Any) -> bool | None:
+        return any(getattr(fp, "offload_to_cpu", False) for fp in group.fsdp_params)
+
+    def modules(self, group: Any) -> tuple[nn.Module, ...]:
+        return tuple(getattr(group, "modules", ()))
+
+    def fallback_name(self, group: Any) -> str:
+        return str(getattr(group, "_module_fqn", "") or super().fallback_name(group))
+
+    def reason(self, kind: str) -> str:
+        table = self._UNSHARD if kind == "unshard" else self._RESHARD
+        return infer_reason_from_torch_caller(kind, table, "pass_type")

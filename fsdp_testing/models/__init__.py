@@ -5,6 +5,7 @@ fsdp_init_mode, device_init_mode, fsdp_kwargs, deterministic, ...)`` and shard w
 engine (:func:`fsdp_testing.engines.current_engine`).
 """
 
+from ..patching.delays import delayed_calls, sleep_ms
 from ._base import (
     CUDAInitMode,
     DEVICEInitMode,
@@ -14,7 +15,7 @@ from ._base import (
     as_fsdp_init_mode,
     default_device,
 )
-from .delay import ModuleWithDelay, NestedWrappedModuleWithDelay, delayed_calls, sleep_ms
+from .delay import ModuleWithDelay, NestedWrappedModuleWithDelay
 from .nested import (
     AlwaysWrapNestedWrappedModule,
     MixtureOfExperts,

@@ -1,77 +1,21 @@
-"""Models that sleep at chosen points, and the patch that inserts the sleeps.
-
-[Note: delays under thread ranks]
-A delay replaces a function shared by every rank in the process (``dist.reduce_scatter_single``,
-an engine's reshard). :func:`delayed_calls` installs it with :func:`fsdp_testing.patching.patched`,
-which dispatches each call to the calling rank's replacement (see [Note: patching under thread
-ranks] there): a rank that asked for no delay, or is outside the block, runs the original at
-full speed, and one rank leaving its block never removes another's delay. Delays chain with any
-other patch of the same function (a recorder, a test's ``patch_reduce_scatter``).
-"""
+"""Models that sleep at chosen points (the sleeps themselves are
+:mod:`fsdp_testing.patching.delays`: see [Note: delays under thread ranks] there)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..engines import PatchTarget
-from ..patching import collective_targets, patched
+from ..patching import collective_targets, delays
+from ..patching.delays import delayed_calls, sleep_ms
 from ._base import DEVICEInitMode, FSDPInitMode, FSDPTestModel
+from .nested import NestedWrappedModule
 
 __all__ = ["ModuleWithDelay", "NestedWrappedModuleWithDelay", "delayed_calls", "sleep_ms"]
-
-
-def sleep_ms(milliseconds: float, device: torch.device) -> None:
-    """Sleeps on ``device``: a CUDA kernel that spins (asynchronous) or a host sleep on CPU."""
-    if milliseconds <= 0:
-        return
-    if device.type == "cuda":
-        torch.cuda._sleep(int(milliseconds * _cuda_cycles_per_ms()))
-    else:
-        time.sleep(milliseconds / 1000.0)
-
-
-@functools.lru_cache(maxsize=1)
-def _cuda_cycles_per_ms() -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 1_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / max(start.elapsed_time(end), 1e-3)
-
-
-@contextlib.contextmanager
-def delayed_calls(
-    target: PatchTarget | Sequence[PatchTarget], milliseconds: float, device: torch.device
-) -> Iterator[None]:
-    """Within the block, calls to ``target`` from this rank sleep ``milliseconds`` first.
-
-    Args:
-        target: where the callable lives (see :meth:`FSDPEngine.patch_target`), or several
-            names of one function (as :func:`fsdp_testing.patching.patched` takes them).
-        milliseconds: the delay; 0 or less makes the block a no-op.
-        device: where to sleep (CUDA sleeps are asynchronous kernels).
-    """
-    if milliseconds <= 0:
-        yield
-        return
-
-    def delayed(*args: Any, **kwargs: Any) -> Any:
-        sleep_ms(milliseconds, device)
-        return call_next(*args, **kwargs)  # an outer patch of ``target``, or the original
-
-    # See [Note: delays under thread ranks]. No barriers: ranks need not enter together.
-    with patched(target, delayed, barrier=False) as call_next:
-        yield
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -82,9 +26,9 @@ def _module_device(module: nn.Module) -> torch.device:
 
 class ModuleWithDelay(FSDPTestModel):
     """Wraps an :class:`FSDPTestModel` and sleeps after the loss and/or before each gradient
-    reduction collective called from Python during :meth:`run_backward` (every spelling of
-    reduce-scatter, ``reduce_scatter_single`` and ``reduce_scatter_tensor``, and
-    ``all_reduce``), on CPU or CUDA.
+    reduction collective called from Python during :meth:`run_backward` (every spelling of the
+    ``reduce_scatter`` and ``all_reduce`` families in :mod:`fsdp_testing.collectives`), on CPU
+    or CUDA.
 
     Args:
         module: the wrapped test model (kept as ``self.module``).
@@ -116,7 +60,7 @@ class ModuleWithDelay(FSDPTestModel):
 
     def get_loss(self, input: Any, output: Any) -> torch.Tensor:
         loss = self._inner().get_loss(input, output)
-        sleep_ms(self.delay_after_loss_ms, _module_device(self))
+        delays.sleep_ms(self.delay_after_loss_ms, _module_device(self))
         return loss
 
     def run_backward(self, loss: torch.Tensor) -> None:
@@ -124,7 +68,7 @@ class ModuleWithDelay(FSDPTestModel):
         delay = self.delay_before_reduction_ms
         with (
             delayed_calls(collective_targets("reduce_scatter"), delay, device),
-            delayed_calls(PatchTarget(dist, "all_reduce"), delay, device),
+            delayed_calls(collective_targets("all_reduce"), delay, device),
         ):
             self._inner().run_backward(loss)
 
@@ -176,8 +120,6 @@ class NestedWrappedModuleWithDelay(ModuleWithDelay):
             delay_before_reduction_ms: sleep before each gradient reduction (ms, default 0).
             device: compute device, default CUDA if available else CPU.
         """
-        from .nested import NestedWrappedModule
-
         return ModuleWithDelay.init(
             NestedWrappedModule,
             group,

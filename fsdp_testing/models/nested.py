@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..engines import current_engine
+from ..patching.delays import delayed_calls
 from ._base import (
     DEVICEInitMode,
     FSDPInitMode,
@@ -28,7 +29,6 @@ from ._base import (
     resolve_device,
     sharder,
 )
-from .delay import delayed_calls
 
 __all__ = [
     "AlwaysWrapNestedWrappedModule",

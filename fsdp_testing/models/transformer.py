@@ -161,15 +161,13 @@ def _keeps_batch_norm_in_full_precision(
     running statistics (buffers are cast only with ``buffer_dtype``), and ``batch_norm``
     rejects bf16 weights with float32 statistics. torch's FSDP1 therefore wraps batch norms
     separately with mixed precision off (``MixedPrecision._module_classes_to_ignore``); this
-    does the same for the engines that do not (fsdp_core, FSDP2), so the model runs under every
-    engine's mixed precision with the same numerics.
+    does the same for the engines that do not (``engine.full_precision_classes``), so the model
+    runs under every engine's mixed precision with the same numerics.
     """
-    from ..engines.torch_fsdp1 import TorchFSDP1Engine
-
     policy = kwargs.get("mixed_precision")
     return (
         getattr(policy, "param_dtype", None) is not None
         and getattr(policy, "buffer_dtype", None) is None
         and isinstance(model.bn, nn.modules.batchnorm._BatchNorm)
-        and not isinstance(engine, TorchFSDP1Engine)
+        and not isinstance(model.bn, engine.full_precision_classes(policy))
     )

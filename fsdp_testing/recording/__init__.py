@@ -14,11 +14,13 @@ recorder only keeps its own rank's). Records are frozen dataclasses: :class:`Col
 :class:`ForwardRecord` and :class:`OffloadRecord`.
 
 What is exact and what is inferred, per engine: see [Note: what is exact and what is inferred]
-in :mod:`fsdp_testing.recording._probes`.
+in :mod:`fsdp_testing.recording._probes`. What the recorder asks an engine (which unit a call is
+about, whether it is unsharded, which events it publishes) is the engine's own probe
+(``engine.probe()``), defined in the engine's module.
 
 The package, by role: ``_records`` (the record types and the log of one rank's records),
-``_probes`` (reading a unit's state from an engine's objects, naming units), ``_capture``
-(wrapping collectives and transitions, subscribing to ``fsdp_core``'s events),
+``_probes`` (naming units by FQN), ``_capture`` (wrapping collectives and transitions,
+subscribing to the engine's events),
 ``_assertions`` (the ``assert_*`` methods), ``_trace`` (Chrome/Perfetto export) and
 ``_recorder`` (:class:`FSDPRecorder` itself).
 """

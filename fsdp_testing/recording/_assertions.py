@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..engines import FSDPEngine
+from ..patching import rank_prefix
 from ._probes import UnitNames
 from ._records import OffloadRecord, Record, RecordLog, ReshardRecord, UnshardRecord
 
@@ -24,7 +25,7 @@ class RecordAssertions(RecordLog):
     _names: UnitNames
 
     def _fail(self, message: str) -> AssertionError:
-        return AssertionError(f"[rank {self.rank}] {message}")
+        return AssertionError(f"{rank_prefix(self.rank)}{message}")
 
     def _names_of(self, expected: Sequence[str | nn.Module]) -> list[str]:
         return [e if isinstance(e, str) else self._names.module(e) for e in expected]
@@ -237,7 +238,7 @@ class RecordAssertions(RecordLog):
                 f"units {not_offloaded} are not offloaded: the engine keeps their sharded "
                 "parameters on the compute device (no CPU offload policy)"
             )
-        if self.engine.name != "fsdp_core" or not _core_has_offload_events():
+        if not self.engine.probe().reports_offload_copies:
             return
         copied: set[str] = set()
         missing = []
@@ -269,11 +270,3 @@ def _describe(records: Sequence[UnshardRecord]) -> str:
 def _same_device(actual: str, want: torch.device) -> bool:
     have = torch.device(actual)
     return have.type == want.type and (want.index is None or have.index == want.index)
-
-
-def _core_has_offload_events() -> bool:
-    try:
-        from fsdp_core import events
-    except ImportError:
-        return False
-    return hasattr(events, "OffloadCopy")

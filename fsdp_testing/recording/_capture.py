@@ -1,6 +1,7 @@
 """How records are captured: wrappers around the ``torch.distributed`` collectives and the
 engine's unit transitions (through :func:`fsdp_testing.patching.patched`), forward hooks on the
-sharded modules, and ``fsdp_core``'s event stream.
+sharded modules, and the events of an engine that publishes them (``fsdp_core``), through the
+engine's probe.
 
 See [Note: what is exact and what is inferred] in :mod:`._probes`.
 """
@@ -16,15 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..engines import FSDPEngine, PatchTarget
-from ..patching import (
-    COLLECTIVE_FAMILIES,
-    called_name,
-    collective_targets,
-    normalized_collective,
-    patched,
-)
-from ._probes import UnitNames, clean_fqn, probe_for
+from ..engines import FSDPEngine, clean_param_name
+from ..patching import called_name, collective_targets, normalized_collective, patched
+from ._probes import UnitNames
 from ._records import (
     CollectiveRecord,
     ForwardRecord,
@@ -36,6 +31,10 @@ from ._records import (
 )
 
 __all__ = ["Capture"]
+
+#: Collective families recorded with their (output, input) calls normalized; ``all_reduce`` is
+#: recorded as called.
+_NORMALIZED_FAMILIES = ("all_gather", "reduce_scatter")
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,7 +72,7 @@ class Capture:
         self._rank = rank
         self._engine = engine
         self._names = names
-        self._probe = probe_for(engine.name)
+        self._probe = engine.probe()
         self._spans: list[_Span] = []
         self._pending: Any = None  # the last fsdp_core Collective event, until its call runs
 
@@ -88,14 +87,14 @@ class Capture:
             self._names.add_model(model)
             self._init_forward_hooks(model, stack)
         nexts: dict[str, Callable[..., Any]] = {}
-        for family in COLLECTIVE_FAMILIES:
+        for family in _NORMALIZED_FAMILIES:
             present = collective_targets(family)
             if present:
                 wrapper = normalized_collective(self._collective(family, nexts), family)
                 nexts[family] = stack.enter_context(patched(present, wrapper, barrier=False))
         nexts["all_reduce"] = stack.enter_context(
             patched(
-                PatchTarget(dist, "all_reduce"),
+                collective_targets("all_reduce"),
                 self._collective("all_reduce", nexts),
                 barrier=False,
             )
@@ -105,16 +104,13 @@ class Capture:
             nexts[kind] = stack.enter_context(
                 patched(target, self._transition(kind, nexts), barrier=False)
             )
-        if self._engine.name == "fsdp_core":
-            from fsdp_core import events
-
-            stack.enter_context(events.subscribe(self._on_event))
+        stack.enter_context(self._probe.subscribe(self._on_event))
 
     def _init_forward_hooks(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
         for name, module in model.named_modules():
             if not self._engine.is_wrapped(module):
                 continue
-            fqn = clean_fqn(name)
+            fqn = clean_param_name(name)
 
             def hook(module: nn.Module, args: Any, output: Any, fqn: str = fqn) -> None:
                 self._add(ForwardRecord, unit=fqn, ts_us=now_us())

@@ -11,8 +11,8 @@ from types import TracebackType
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..engines import FSDPEngine, engine_for
-from ..patching import current_rank, resolve_engine
+from ..engines import FSDPEngine, engine_for, resolve_engine
+from ..patching import current_rank
 from ._assertions import RecordAssertions
 from ._capture import Capture
 from ._probes import UnitNames

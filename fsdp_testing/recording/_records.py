@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..patching import COLLECTIVE_FAMILIES
+from ..collectives import COLLECTIVE_FAMILIES
 
 __all__ = [
     "CollectiveRecord",

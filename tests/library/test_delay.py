@@ -1,6 +1,6 @@
 """The delayed models: each delay fires where it says, for every engine.
 
-Each test logs, per rank, the sleeps of :func:`fsdp_testing.models.delay.sleep_ms` and the calls
+Each test logs, per rank, the sleeps of :func:`fsdp_testing.patching.delays.sleep_ms` and the calls
 the delay is meant to precede (reduce-scatters, reshards), through the patching primitives, and
 asserts the order; so they do not depend on how fast the machine is. A lower bound on the wall
 time confirms that the sleeps are real.
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdp_testing.models.delay as delay_module
+import fsdp_testing.patching.delays as delay_module
 from fsdp_testing.engines import PatchTarget, use_engine
 from fsdp_testing.models import (
     DEVICEInitMode,
