@@ -1,20 +1,51 @@
-"""Train an fsdp_core model next to a data-parallel reference and compare them."""
+"""The core's tests on the library's parity trainer: an fsdp_core model and its data-parallel
+reference train with :class:`fsdp_testing.parity.TrainingLoop` (SGD with momentum, lr 0.05) on
+this package's models and batches, under the library's mixed precision reference and tolerances
+(``docs/parity.md``). What stays here: the batches and loss of these models, the averaging of
+the mixture of experts' shared layers, and :func:`full_params`, an independent oracle for the
+core's own ``summon_full_params``.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_core import FSDP, MixedPrecision
+from fsdp_testing.parity import (
+    FP32_TOLERANCE,
+    LOSS_TOLERANCE,
+    PARAM_TOLERANCE,
+    Tolerance,
+    TrainingLoop,
+    compare_named,
+    format_divergences,
+)
+from fsdp_testing.parity._reference import build_reference
 
 from ._models import get_input
 
+__all__ = [
+    "FP32_TOLERANCE",
+    "LOSS_TOLERANCE",
+    "PARAM_TOLERANCE",
+    "STEPS",
+    "assert_same",
+    "assert_same_losses",
+    "full_params",
+    "precision_reference",
+    "reference",
+    "train",
+]
+
 STEPS = 3
+LR = 0.05
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -46,6 +77,34 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
+class _Batches:
+    """The workload of this package's models: the per-rank, per-step batch of ``kind`` and the
+    loss ``mean(output ** 2)``; ``after_backward`` runs right after each backward."""
+
+    def __init__(
+        self, kind: str, rank: int, after_backward: Callable[[], None] | None = None
+    ) -> None:
+        self.kind, self.rank, self.after_backward = kind, rank, after_backward
+        self.step = 0
+
+    def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
+        batch = get_input(self.kind, self.rank, self.step)
+        self.step += 1
+        return (batch,)
+
+    def get_loss(self, input: Any, output: torch.Tensor) -> torch.Tensor:
+        return output.pow(2).mean()
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self.after_backward is not None:
+            self.after_backward()
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def train(
     model: nn.Module,
     kind: str,
@@ -60,52 +119,70 @@ def train(
     With ``save_load`` (FSDP models only) every step ends with a full state dict save, zeroing
     every parameter through ``summon_full_params`` and loading the saved state dict.
     """
-    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        out = model(get_input(kind, rank, step))
-        loss = out.pow(2).mean()
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        optim.step()
-        optim.zero_grad()
-        if save_load:
-            save_zero_load(model)
-        losses.append(loss.detach())
-    return losses
+    roots = FSDP.fsdp_modules(model, root_only=True)
+    loop = TrainingLoop(
+        model,
+        workload=_Batches(kind, rank, after_backward),
+        lr=LR,
+        mixed_precision=roots[0].mixed_precision if roots else None,
+        device=_device(model),
+    )
+    return [loop.step(save_model=save_load) for _ in range(steps)]
 
 
-def save_zero_load(model: nn.Module) -> None:
-    """Save a full state dict, zero the model, load the state dict back."""
-    state = model.state_dict()
-    with FSDP.summon_full_params(model), torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-    model.load_state_dict(state)
+def _train_reference(
+    kind: str,
+    model: nn.Module,
+    rank: int,
+    group: dist.ProcessGroup,
+    policy: MixedPrecision | None,
+    steps: int,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    plain = copy.deepcopy(model)
+    reduce_dtype = torch.float32
+    if policy is not None:
+        reduce_dtype = policy.reduce_dtype or policy.param_dtype or torch.float32
+    average = None
+    if kind == "moe":
+        # Experts are per-rank: the model averages only its shared layers' gradients, as the
+        # engine does (in the reduce dtype: cast, pre-divide, sum, cast back).
+        shared = [p for n, p in plain.named_parameters() if not n.startswith("expert.")]
+        average = functools.partial(_average, shared, group, reduce_dtype)
+    reference, round_gradients = build_reference(
+        plain,
+        process_group=group,
+        device=_device(plain),
+        ref_init_fn=(lambda body: body) if kind == "moe" else None,
+        mixed_precision=policy,
+    )
+    loop = TrainingLoop(
+        reference,
+        workload=_Batches(kind, rank, average),
+        lr=LR,
+        mixed_precision=policy,
+        device=_device(plain),
+        after_backward=round_gradients,
+    )
+    losses = [loop.step() for _ in range(steps)]
+    return losses, dict(loop.named_full_params())
+
+
+def _average(params: list[nn.Parameter], group: dist.ProcessGroup, dtype: torch.dtype) -> None:
+    world = dist.get_world_size(group)
+    with torch.no_grad():
+        for param in params:
+            assert param.grad is not None
+            grad = param.grad.to(dtype).div_(world)
+            dist.all_reduce(grad, group=group)
+            param.grad.copy_(grad)
 
 
 def reference(
     kind: str, model: nn.Module, rank: int, group: dist.ProcessGroup, *, steps: int = STEPS
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Losses and parameters of the data-parallel reference for ``model`` (unwrapped)."""
-    model = copy.deepcopy(model)
-    if kind != "moe":
-        ddp = DDP(model, process_group=group)
-        return train(ddp, kind, rank, steps=steps), _named(model)
-
-    # Experts are per-rank: average only the shared parameters' gradients, as DDP would
-    # (pre-divide by the world size, then sum).
-    world = dist.get_world_size(group)
-    shared = [p for n, p in model.named_parameters() if not n.startswith("expert.")]
-
-    def reduce_shared() -> None:
-        for p in shared:
-            assert p.grad is not None
-            p.grad.div_(world)
-            dist.all_reduce(p.grad, group=group)
-
-    return train(model, kind, rank, after_backward=reduce_shared, steps=steps), _named(model)
+    """Losses and parameters of the data-parallel reference for ``model`` (unwrapped): DDP, or
+    for ``moe`` the model averaging its shared layers itself."""
+    return _train_reference(kind, model, rank, group, None, steps)
 
 
 def precision_reference(
@@ -117,94 +194,45 @@ def precision_reference(
     *,
     steps: int = STEPS,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """A replicated reference running ``policy``'s precision by hand.
-
-    fp32 master parameters; each step computes on a copy cast to ``param_dtype`` (inputs
-    too), casts each gradient to the reduce dtype, averages it like FSDP (pre-divide, SUM
-    all-reduce; per-rank experts are not reduced but still cast) and steps the masters with
-    the gradient cast back to fp32.
-    """
-    param_dtype = policy.param_dtype
-    assert param_dtype is not None
-    reduce_dtype = policy.reduce_dtype or param_dtype
-    master = copy.deepcopy(model)
-    masters = dict(master.named_parameters())
-    world = dist.get_world_size(group)
-    optim = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        compute = copy.deepcopy(master).to(param_dtype)
-        batch = get_input(kind, rank, step)
-        if batch.is_floating_point():
-            batch = batch.to(param_dtype)
-        loss = compute(batch).pow(2).mean()
-        loss.backward()
-        for name, param in compute.named_parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.to(reduce_dtype)
-            if not name.startswith("expert."):
-                grad.div_(world)
-                dist.all_reduce(grad, group=group)
-            masters[name].grad = grad.to(masters[name].dtype)
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses, _named(master)
-
-
-def _named(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-# (rtol, atol) for results that may differ in rounding; None: bitwise equal.
-Tolerance = tuple[float, float] | None
-
-# Gloo sums the contributions of more than two ranks in a different order for reduce-scatter
-# than for an all-reduce, so at world size 4 results differ in the last bits of the reduce
-# dtype (at world size 2 every sum has two terms and is order independent: bitwise equal).
-# fp32: 1e-5 relative is ~100 ulps, far above the few ulps three steps accumulate.
-FP32_TOLERANCE = (1e-5, 1e-6)
-# Parameters (fp32 masters) after 3 SGD+momentum steps (lr 0.05) whose gradients were summed in
-# a low-precision dtype: one ulp of a gradient element g is |g| * 2^-8 (bf16) or |g| * 2^-11
-# (fp16); the momentum sums of the three steps apply it 1 + 1.9 + 2.71 times, so with |g| <= 1
-# a parameter moves by up to 0.05 * 5.6 * ulp, about 1.1e-3 (bf16) and 1.4e-4 (fp16), and the
-# next steps' gradients, computed from the moved parameters, add to it. Measured maxima:
-# 2.1e-3 (bf16) and 9.3e-5 (fp16). Absolute, because parameters near zero make any relative
-# bound meaningless.
-PARAM_TOLERANCE = {torch.bfloat16: (0.0, 5e-3), torch.float16: (0.0, 5e-4)}
-# Low-precision losses computed from such parameters: a few ulps of the loss dtype (bf16 ulp
-# 2^-8 ~ 3.9e-3 relative, fp16 2^-11 ~ 4.9e-4). Measured maxima: 9.4e-3 and 8.9e-4 relative.
-LOSS_TOLERANCE = {torch.bfloat16: (2e-2, 1e-5), torch.float16: (4e-3, 1e-6)}
+    """The library's mixed precision reference for ``policy`` (fp32 masters computing in
+    ``param_dtype``, gradients averaged in the reduce dtype; see [Note: mixed precision parity]
+    in ``fsdp_testing/parity/_reference.py``)."""
+    assert policy.param_dtype is not None
+    return _train_reference(kind, model, rank, group, policy, steps)
 
 
 def assert_same(
     actual: dict[str, torch.Tensor],
     expected: dict[str, torch.Tensor],
     *,
-    tolerance: Tolerance,
+    tolerance: tuple[float, float] | None,
     what: str,
 ) -> None:
+    """The same names, dtypes and values: bitwise with ``tolerance=None``, else within
+    ``(rtol, atol)``."""
     assert actual.keys() == expected.keys(), (what, sorted(actual), sorted(expected))
-    for name, value in expected.items():
-        _assert_close(actual[name], value, tolerance=tolerance, what=f"{what}: {name}")
+    _assert_close(list(expected.items()), [(n, actual[n]) for n in expected], tolerance, what)
 
 
 def assert_same_losses(
     actual: list[torch.Tensor],
     expected: list[torch.Tensor],
     *,
-    tolerance: Tolerance,
+    tolerance: tuple[float, float] | None,
     what: str,
 ) -> None:
-    for step, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        _assert_close(a, e, tolerance=tolerance, what=f"{what}: loss at step {step}")
+    """Per-step losses as :func:`assert_same` compares tensors."""
+    names = [f"loss at step {step}" for step in range(len(expected))]
+    pairs = list(zip(names, actual, strict=True))
+    _assert_close(list(zip(names, expected, strict=True)), pairs, tolerance, what)
 
 
-def _assert_close(a: torch.Tensor, e: torch.Tensor, *, tolerance: Tolerance, what: str) -> None:
-    assert a.dtype == e.dtype, f"{what}: dtype {a.dtype}, expected {e.dtype}"
-    if tolerance is None:
-        assert torch.equal(a, e), f"{what} differs: max |diff| {(a - e).abs().max().item()}"
-    else:
-        rtol, atol = tolerance
-        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=what)
+def _assert_close(
+    expected: list[tuple[str, torch.Tensor]],
+    actual: list[tuple[str, torch.Tensor]],
+    tolerance: tuple[float, float] | None,
+    what: str,
+) -> None:
+    limits = Tolerance(*tolerance) if tolerance is not None else None
+    found = compare_named(expected, actual, exact=limits is None, tolerance=limits)
+    assert not found, f"{what} differs from the reference:\n{format_divergences(found)}"

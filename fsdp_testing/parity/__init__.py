@@ -1,0 +1,64 @@
+"""Parity checks: a sharded model against a data parallel reference, sharded parameters against
+replicated ones, and module states across ranks.
+
+One trainer serves every parity check: :class:`Lockstep` (two :class:`TrainingLoop` s, compared
+after every step under one :class:`ParityRule`) is what :func:`check_fsdp_parity` (torch's
+``_test_fsdp_parity``), ``fsdp-testing check`` and the core's own tests train with. The rule for
+mixed precision is [Note: mixed precision parity] (``_reference``), the tolerances [Note: parity
+rule] (``_compare``); ``docs/parity.md`` has both.
+
+The package, by role: ``_training`` (the training loop), ``_reference`` (the data parallel and
+mixed precision references), ``_lockstep`` (the lockstep trainer and ``check_fsdp_parity``),
+``_compare`` (divergences and the rule), ``_sharded`` (sharded parameters, cross-rank states,
+full parameters) and ``_mixin`` (torch's methods for unittest-style test cases).
+"""
+
+from ._compare import (
+    FP32_TOLERANCE,
+    LOSS_TOLERANCE,
+    PARAM_TOLERANCE,
+    Divergence,
+    ParityRule,
+    Tolerance,
+    compare_named,
+    format_divergences,
+)
+from ._lockstep import Lockstep, StepReport, _test_fsdp_parity, check_fsdp_parity
+from ._mixin import FSDPParityMixin
+from ._reference import MixedPrecisionReference, find_test_model, reference_body
+from ._sharded import (
+    _assert_module_states,
+    assert_module_states_equal,
+    check_sharded_parity,
+    get_full_params,
+)
+from ._training import TrainingLoop, Workload, train_for_several_steps
+
+_train_for_several_steps = train_for_several_steps
+
+__all__ = [
+    "FP32_TOLERANCE",
+    "LOSS_TOLERANCE",
+    "PARAM_TOLERANCE",
+    "Divergence",
+    "FSDPParityMixin",
+    "Lockstep",
+    "MixedPrecisionReference",
+    "ParityRule",
+    "StepReport",
+    "Tolerance",
+    "TrainingLoop",
+    "Workload",
+    "_assert_module_states",
+    "_test_fsdp_parity",
+    "_train_for_several_steps",
+    "assert_module_states_equal",
+    "check_fsdp_parity",
+    "check_sharded_parity",
+    "compare_named",
+    "find_test_model",
+    "format_divergences",
+    "get_full_params",
+    "reference_body",
+    "train_for_several_steps",
+]
