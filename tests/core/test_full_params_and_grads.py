@@ -198,6 +198,30 @@ def test_clip_grad_norm_matches_unsharded(rank, process_group, strategy):
 
 
 @pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("kind", ["nested", "moe"])
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD])
+def test_clip_grad_norm_below_max_norm_leaves_gradients_unchanged(
+    rank, process_group, kind, strategy
+):
+    """A total norm below ``max_norm`` clips nothing: every gradient (sharded, replicated, and
+    the one-rank-group experts of ``moe``) keeps its exact value, and the norm is still
+    returned."""
+    for norm_type in (2.0, math.inf):
+        model = wrap_model(kind, build(kind, rank), process_group, sharding_strategy=strategy)
+        model(get_input(kind, rank, 0)).pow(2).sum().backward()
+        before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert before  # every rank holds some gradient
+        norm = model.clip_grad_norm_(1e6, norm_type)
+        assert 0 < norm < 1e6
+        for max_norm in (1e6, 2 * norm.item()):
+            again = model.clip_grad_norm_(max_norm, norm_type)
+            assert torch.equal(again, norm)
+            for name, param in model.named_parameters():
+                if name in before:
+                    assert torch.equal(param.grad, before[name]), (name, norm_type, max_norm)
+
+
+@pytest.mark.distributed(world_size=2)
 def test_clip_grad_norm_and_no_sync_need_the_root(rank, process_group):
     model = wrap_model("nested", build("nested", rank), process_group)
     model(get_input("nested", rank, 0)).sum().backward()

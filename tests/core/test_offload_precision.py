@@ -240,3 +240,52 @@ def test_cast_forward_inputs(rank, process_group):
     policy = MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False)
     with pytest.raises(RuntimeError, match="dtype"):
         FSDP(nn.Linear(4, 4), process_group, mixed_precision=policy)(torch.ones(2, 4))
+
+
+class _KeywordInputs(nn.Module):
+    """Takes every input by keyword and records the dtypes it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(
+        self, *, x: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        self.seen = {"x": x.dtype, "mask": mask.dtype, "extra.y": extra["y"].dtype}
+        return self.lin(x) * mask + self.lin(extra["y"])
+
+
+class _PassesKeywords(nn.Module):
+    """Calls its child with fp32 keyword inputs, whatever dtype it computes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = _KeywordInputs()
+
+    def forward(self, *, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.child(
+            x=x.float(), mask=mask, extra={"y": torch.ones_like(x, dtype=torch.float32)}
+        )
+
+
+@pytest.mark.distributed(world_size=2)
+def test_cast_forward_inputs_casts_keyword_arguments(rank, process_group):
+    """Floating-point inputs passed as keyword arguments (nested in containers too) are cast to
+    param_dtype like positional ones, by the root (cast_root_forward_inputs) and by a nested
+    instance (cast_forward_inputs); a boolean mask keeps its dtype."""
+    expected = {"x": torch.bfloat16, "mask": torch.bool, "extra.y": torch.bfloat16}
+    x, mask = torch.ones(2, 4), torch.ones(2, 4, dtype=torch.bool)
+    # The root: cast_root_forward_inputs (on by default), cast_forward_inputs off.
+    root_policy = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=False)
+    root = FSDP(_KeywordInputs(), process_group, mixed_precision=root_policy)
+    out = root(x=x, mask=mask, extra={"y": torch.ones(2, 4)})
+    assert root.module.seen == expected and out.dtype == torch.bfloat16
+    # A nested instance with cast_forward_inputs, called with fp32 keywords by its parent.
+    policy = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    module = _PassesKeywords()
+    module.child = FSDP(module.child, process_group, mixed_precision=policy)
+    model = FSDP(module, process_group, mixed_precision=policy)
+    out = model(x=x, mask=mask)
+    assert module.child.module.seen == expected and out.dtype == torch.bfloat16
