@@ -10,8 +10,8 @@ Before (torch):
     )
 
 With torch's harness every test below is skipped on a machine without 2 GPUs. Here each runs on
-CPU ranks over gloo, in the warm pool, against the engine chosen with --fsdp-engine (fsdp_core by
-default).
+CPU ranks over gloo, in the warm pool; the models are sharded with torch's FSDP, as in torch, or
+with the engine chosen by --fsdp-engine (e.g. fsdp_core).
 """
 
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
