@@ -255,3 +255,30 @@ def test_set_order_tags_off_sends_the_data_only(rank, process_group):
     set_order_tags(model, enabled=False)
     model.module.swap = rank == 1
     _forward_backward(model, 1)  # same sizes: nothing notices; this is what the tags catch
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="the CUDA stream path needs two GPUs for NCCL"
+)
+@pytest.mark.distributed(world_size=2, backend="nccl")
+def test_cuda_swap_fails_at_the_end_of_that_iteration(rank, process_group, device):
+    """On CUDA the tags are compared when the iteration ends (no host synchronization per
+    collective): a swap in iteration 3's forward raises from iteration 3's backward, on both
+    ranks, with the same message."""
+    model = _wrap_two_units(process_group, device_id=device)
+    phases: list[str] = []
+
+    def step(model: nn.Module, iteration: int) -> None:
+        gen = torch.Generator().manual_seed(iteration + 10 * rank)
+        x = torch.randn(3, 4, generator=gen).to(device)
+        phases.append("forward")
+        loss = model(x).sum()
+        phases.append("backward")
+        loss.backward()
+
+    raised_at, message = _train_until_error(model, step, swap_rank=1, rank=rank)
+    assert (raised_at, phases[-1]) == (SWAP_AT, "backward"), message
+    assert "rank 0 all-gathered 'a' for forward" in message, message
+    assert "rank 1 all-gathered 'b' for forward" in message, message
+    messages = _messages_on_every_rank(message, process_group)
+    assert messages[0] == messages[1]
