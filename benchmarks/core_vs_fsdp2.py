@@ -19,8 +19,13 @@ rest; FULL_SHARD with backward prefetch of one unit; the root keeps its paramete
 to backward (FSDP2: ``reshard_after_forward=False`` on the root, which is what fsdp_core and
 FSDP1 do for the root).
 
+``--order-check-cost`` adds a fourth model to the interleaved phase: fsdp_core with its order
+tags switched off (``fsdp_core._runtime.set_order_tags``, for measurement only), and reports
+fsdp_core's paired ratio to it, i.e. what the in-payload order check (see [Note: order check] in
+``fsdp_core/_order_check.py``) costs per step.
+
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
-       [--rounds 20]
+       [--rounds 20] [--order-check-cost]
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import time
 from typing import Any
 
 ENGINES = ("fsdp_core", "torch_fsdp2", "ddp")
+# fsdp_core with its order tags off, next to fsdp_core in the interleaved phase only.
+CORE_UNTAGGED = "fsdp_core_untagged"
 
 
 def _build(width: int, blocks: int) -> Any:
@@ -78,17 +85,20 @@ def _build(width: int, blocks: int) -> Any:
 def _wrap(engine: str, model: Any, block_class: type) -> Any:
     import torch.distributed as dist
 
-    if engine == "fsdp_core":
+    if engine in ("fsdp_core", CORE_UNTAGGED):
         from fsdp_core import BackwardPrefetch, ShardingStrategy
         from fsdp_core import FullyShardedDataParallel as FSDP
+        from fsdp_core._runtime import set_order_tags
         from fsdp_core.wrap import ModuleWrapPolicy
 
-        return FSDP(
+        wrapped = FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy({block_class}),
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         )
+        set_order_tags(wrapped, enabled=engine == "fsdp_core")
+        return wrapped
     if engine == "torch_fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -161,20 +171,29 @@ def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_
         json.dump(result, f)
 
 
-def run_rank_interleaved(width: int, blocks: int, rounds: int, warmup: int, out_dir: str) -> None:
+def run_rank_interleaved(
+    width: int,
+    blocks: int,
+    rounds: int,
+    warmup: int,
+    out_dir: str,
+    order_check_cost: bool = False,
+) -> None:
     """Every engine's model in this rank, stepped in turn; writes ``interleaved-rank{N}.json``.
 
     Each engine gets its own copy of the same initial model and its own optimizer. Warm-up
     steps run every engine ``warmup`` times first; then each round steps every engine once,
-    starting with a different engine each round.
+    starting with a different engine each round. With ``order_check_cost`` fsdp_core with its
+    order tags off (:data:`CORE_UNTAGGED`) is one more engine.
     """
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    engines = ENGINES + ((CORE_UNTAGGED,) if order_check_cost else ())
     steppers = {}
-    for engine in ENGINES:
+    for engine in engines:
         model, block_class = _build(width, blocks)
         model = _wrap(engine, model, block_class)
         optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -190,12 +209,12 @@ def run_rank_interleaved(width: int, blocks: int, rounds: int, warmup: int, out_
         return time.perf_counter() - begin
 
     for _ in range(warmup):
-        for engine in ENGINES:
+        for engine in engines:
             step(engine)
-    times: dict[str, list[float]] = {engine: [] for engine in ENGINES}
+    times: dict[str, list[float]] = {engine: [] for engine in engines}
     for r in range(rounds):
-        for i in range(len(ENGINES)):
-            engine = ENGINES[(r + i) % len(ENGINES)]
+        for i in range(len(engines)):
+            engine = engines[(r + i) % len(engines)]
             times[engine].append(step(engine))
     with open(os.path.join(out_dir, f"interleaved-rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "times": times}, f)
@@ -218,6 +237,13 @@ def paired_ratios(times: list[dict[str, list[float]]], num: str, den: str) -> li
     """Per round, ``num``'s step time over ``den``'s, each the slower rank's time that round."""
     rounds = len(times[0][num])
     return [max(t[num][r] for t in times) / max(t[den][r] for t in times) for r in range(rounds)]
+
+
+def order_check_cost(interleaved: list[dict[str, list[float]]]) -> dict[str, Any]:
+    """fsdp_core's paired ratio to itself with the order tags off: median, quartiles, ratios."""
+    ratios = sorted(paired_ratios(interleaved, "fsdp_core", CORE_UNTAGGED))
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
 
 
 def _load(out_dir: str, name: str) -> Any:
@@ -367,6 +393,12 @@ def main() -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument(
+        "--order-check-cost",
+        action="store_true",
+        help="also step fsdp_core with its order tags off in the interleaved phase and report "
+        "the paired ratio: the cost of the in-payload order check",
+    )
+    parser.add_argument(
         "--png",
         metavar="PATH",
         help="also draw step time and peak memory per engine (matplotlib: the 'plot' extra)",
@@ -387,7 +419,8 @@ def main() -> None:
             print(f"running {engine} (isolated) ...", flush=True)
             _launch("run_rank", engine, dict(engine=engine, steps=args.steps, **common))
         print("running every engine interleaved ...", flush=True)
-        _launch("run_rank_interleaved", "interleaved", dict(rounds=args.rounds, **common))
+        interleaved_kwargs = dict(rounds=args.rounds, order_check_cost=args.order_check_cost)
+        _launch("run_rank_interleaved", "interleaved", dict(**interleaved_kwargs, **common))
         results = {
             engine: [_load(out_dir, f"{engine}-rank{r}.json") for r in (0, 1)] for engine in ENGINES
         }
@@ -398,6 +431,13 @@ def main() -> None:
 
         shutdown()
     summary = _print_report(args, results, interleaved)
+    if args.order_check_cost:
+        cost = summary[CORE_UNTAGGED] = order_check_cost(interleaved)
+        print(
+            f"order check: fsdp_core / fsdp_core with the tags off = {cost['median']:.4f} (median "
+            f"of {len(cost['ratios'])} paired rounds; quartiles {cost['q1']:.4f} to "
+            f"{cost['q3']:.4f})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
