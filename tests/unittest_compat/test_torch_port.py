@@ -62,6 +62,11 @@ def test_subtest_cases_get_torchs_names_and_decorators(run: Run) -> None:
     assert run.cases["test_subtest_values_expected_to_fail"].outcome == "xfailed"
 
 
+def test_compiled_fsdp_test_runs_eager_then_compiled_on_cpu(run: Run) -> None:
+    case = run.cases["test_eager_then_compiled"]
+    assert case.outcome == "passed", case.text
+
+
 def test_continuous_class_failure_does_not_poison_the_next_test(run: Run) -> None:
     assert run.cases["test_a_fails"].outcome == "failed"
     assert run.cases["test_b_still_runs"].outcome == "passed", run.cases["test_b_still_runs"].text

@@ -6,7 +6,7 @@ import unittest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 from fsdp_testing.common_distributed import MultiProcContinuousTest, skip_if_lt_x_gpu
 from fsdp_testing.common_fsdp import (
@@ -15,6 +15,7 @@ from fsdp_testing.common_fsdp import (
     FSDPTest,
     NestedWrappedModule,
     TransformerWithSharedParams,
+    compiled_fsdp_test,
 )
 from fsdp_testing.common_utils import (
     instantiate_parametrized_tests,
@@ -83,6 +84,26 @@ class TestSizedByGpus(FSDPTest):
 
 
 instantiate_parametrized_tests(TestSizedByGpus)
+
+
+class TestCompiled(FSDPTest):
+    world_size = 2
+
+    def test_eager_then_compiled(self):
+        runs = []
+        self._train_once(runs)
+        self.assertEqual(runs, [False, True])
+
+    @compiled_fsdp_test(compile_compute_on_module=nn.Linear)
+    def _train_once(self, runs):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        model(torch.randn(4, 8)).sum().backward()
+        runs.append(model[0]._compiled_call_impl is not None)
 
 
 class TestContinuous(MultiProcContinuousTest):
