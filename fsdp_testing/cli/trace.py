@@ -24,7 +24,7 @@ from typing import Any
 from ._matrix import AXES, Config
 from ._plot import draw_timeline, require_matplotlib, save_png
 
-__all__ = ["TraceSteps", "add_parser", "merge_traces", "run"]
+__all__ = ["TraceSteps", "add_parser", "draw_timeline", "merge_traces", "run"]
 
 #: The trace thread of the step phases; the recorder's tracks start at 1.
 _PHASE_TID = 0
