@@ -64,8 +64,10 @@ class Probe:
         """A name for ``unit`` when none of its modules is in the recorded model."""
         return f"{type(unit).__name__}@{id(unit):x}"
 
-    def reason(self, kind: str) -> str:
-        """Why the transition ``kind`` (``"unshard"``/``"reshard"``) running now was called."""
+    def reason(self, kind: str, args: tuple[Any, ...]) -> str:
+        """Why the transition ``kind`` (``"unshard"``/``"reshard"``) running now, called with
+        positional ``args``, was called: forward, forward_prefetch, backward,
+        backward_prefetch or explicit."""
         return "explicit"
 
 

@@ -176,7 +176,7 @@ class _FSDP1Probe(Probe):
         module = getattr(handle, "_fully_sharded_module", None)
         return (module,) if module is not None else ()
 
-    def reason(self, kind: str) -> str:
+    def reason(self, kind: str, args: tuple[Any, ...]) -> str:
         table = self._UNSHARD if kind == "unshard" else self._RESHARD
         return infer_reason_from_torch_caller(kind, table, "prefetch_mode")
 

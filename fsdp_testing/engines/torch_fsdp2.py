@@ -375,6 +375,6 @@ class _FSDP2Probe(Probe):
     def fallback_name(self, group: Any) -> str:
         return str(getattr(group, "_module_fqn", "") or super().fallback_name(group))
 
-    def reason(self, kind: str) -> str:
+    def reason(self, kind: str, args: tuple[Any, ...]) -> str:
         table = self._UNSHARD if kind == "unshard" else self._RESHARD
         return infer_reason_from_torch_caller(kind, table, "pass_type")

@@ -204,7 +204,7 @@ class Capture:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             unit = probe.unit(args)
-            reason = "" if probe.exact or kind == "post_backward" else probe.reason(kind)
+            reason = "" if probe.exact or kind == "post_backward" else probe.reason(kind, args)
             before = None if probe.exact else probe.unsharded(unit)
             span = _Span(kind, unit, now_us(), before, reason)
             self._spans.append(span)

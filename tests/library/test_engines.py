@@ -125,9 +125,14 @@ def test_fsdp2_full_params_writeback_and_state_dict_round_trip(rank, process_gro
     with engine.full_params(model, writeback=True):
         assert model[0].weight.shape == (5, 3)
         with torch.no_grad():
-            model[0].weight.fill_(rank + 1.0)  # rank 1's write must win nowhere: same on all
             model[0].weight.fill_(7.0)
     assert torch.equal(get_full_params(model)[0], torch.full((5, 3), 7.0))
+    # Writeback needs no communication: each rank keeps its own rows (dim-0 chunks of 3 and 2)
+    # of what it wrote, so writes that differ between ranks end up mixed, rank by rank.
+    with engine.full_params(model, writeback=True), torch.no_grad():
+        model[0].weight.fill_(rank + 1.0)
+    mixed = torch.cat([torch.full((3, 3), 1.0), torch.full((2, 3), 2.0)])
+    assert torch.equal(get_full_params(model)[0], mixed)
     engine.load_full_state_dict(model, full)
     assert torch.equal(get_full_params(model)[0], full["0.weight"])
 

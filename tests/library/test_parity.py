@@ -22,10 +22,15 @@ from fsdp_testing.models import (
     TransformerWithSharedParams,
 )
 from fsdp_testing.parity import (
+    FP32_TOLERANCE,
+    LOSS_TOLERANCE,
+    PARAM_TOLERANCE,
+    ParityRule,
     assert_module_states_equal,
     check_fsdp_parity,
     check_sharded_parity,
 )
+from fsdp_testing.patching import patch_reduce_scatter
 
 PARITY_CASES = [
     pytest.param(NestedWrappedModule, {}, id="nested"),
@@ -99,33 +104,75 @@ def test_fsdp_core_matches_ddp_with_cpu_offload(process_group):
 
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+POLICIES = {
+    "bf16/fp32": BF16,
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16),
+    "fp16": MixedPrecision(param_dtype=torch.float16),
+}
 
 
 @pytest.mark.parametrize("engine", ["fsdp_core", "torch_fsdp1", "torch_fsdp2"])
-@pytest.mark.parametrize(
-    "model_class, num_iters",
-    [
-        pytest.param(NestedWrappedModule, 3, id="nested"),
-        # One step: from step 2 on, autocast's float32 softmax and norms and the policy's bf16
-        # ones have produced different updates, and the transformer's loss drifts past bf16's
-        # tolerance with every engine alike (see [Note: mixed precision rows] in the CLI).
-        pytest.param(TransformerWithSharedParams, 1, id="transformer"),
-    ],
-)
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("model_class, options", PARITY_CASES)
 @pytest.mark.distributed(world_size=2)
-def test_mixed_precision_matches_autocast_ddp(engine, model_class, num_iters, process_group):
-    """bf16 mixed precision against DDP under bf16 autocast, as torch's _test_fsdp_parity:
-    the sharded loss is bf16, the reference's whatever autocast makes it (bf16 or float32,
-    depending on the device and the loss), and the losses agree to bf16's tolerance."""
+def test_mixed_precision_matches_the_precision_reference_bitwise(
+    engine, policy, model_class, options, process_group
+):
+    """Under a mixed precision policy the reference runs the policy by hand (fp32 masters,
+    bf16/fp16 compute, gradients averaged in the reduce dtype): at world size 2 on the CPU
+    every engine matches it to the bit, losses and parameters, for three steps (the
+    transformer's batch norm included, kept in fp32 by every engine)."""
     check_fsdp_parity(
         model_class,
         FSDPInitMode.RECURSIVE,
         DEVICEInitMode.DEVICE_BEFORE,
-        num_iters=num_iters,
-        mixed_precision=BF16,
+        num_iters=3,
+        mixed_precision=POLICIES[policy],
         process_group=process_group,
         engine=engine,
+        exact=True,
+        **options,
     )
+
+
+@pytest.mark.distributed(world_size=2)
+def test_mixed_precision_parity_catches_a_reduction_in_the_wrong_dtype(process_group):
+    """bf16 compute with an fp32 reduction: an engine that sums the gradients in bf16 instead
+    changes the parameters by bf16 roundings of the averaged gradients. The precision
+    reference compares parameters, so the default rule catches it; a loss compared against an
+    autocast reference could not."""
+
+    def rounded_to_bf16(output, input, **kwargs):
+        work = call_next(output, input, **kwargs)
+        output.copy_(output.to(torch.bfloat16))
+        return work
+
+    with patch_reduce_scatter(rounded_to_bf16) as call_next:
+        with pytest.raises(AssertionError, match=r"at step 1 of 2 .*\n.*max abs diff"):
+            check_fsdp_parity(
+                NestedWrappedModule,
+                FSDPInitMode.RECURSIVE,
+                DEVICEInitMode.DEVICE_BEFORE,
+                mixed_precision=BF16,
+                process_group=process_group,
+                engine="fsdp_core",
+            )
+
+
+def test_parity_rule_tolerances_follow_the_precision():
+    assert ParityRule.for_training() == ParityRule(loss=FP32_TOLERANCE, params=FP32_TOLERANCE)
+    rule = ParityRule.for_training(POLICIES["bf16"])
+    assert rule.loss == LOSS_TOLERANCE[torch.bfloat16]
+    assert rule.params == PARAM_TOLERANCE[torch.bfloat16]
+    assert ParityRule.for_training(BF16).params == FP32_TOLERANCE  # reduced in fp32
+    pure = ParityRule.for_training(use_pure_fp16=True, exact=True)
+    assert pure.exact and pure.params is None and pure.loss == LOSS_TOLERANCE[torch.float16]
+    one, other = torch.tensor([1.0]), torch.tensor([1.0 + 2e-6])
+    assert ParityRule(exact=True).divergences(one, other, [], []) != []
+    assert ParityRule().divergences(one, other, [], []) == []  # within 1e-5 relative
+    # Dtypes must agree: a bf16 loss is not an fp32 one, whatever the values.
+    (dtype,) = ParityRule().divergences(one, one.bfloat16(), [], [])
+    assert "dtype torch.bfloat16, reference torch.float32" in str(dtype)
 
 
 @pytest.mark.distributed(world_size=2)
