@@ -191,7 +191,9 @@ def run_rank_interleaved(
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    engines = ENGINES + ((CORE_UNTAGGED,) if order_check_cost else ())
+    engines = ENGINES
+    if order_check_cost:  # next to fsdp_core, so that most rounds step the two back to back
+        engines = (ENGINES[0], CORE_UNTAGGED, *ENGINES[1:])
     steppers = {}
     for engine in engines:
         model, block_class = _build(width, blocks)
