@@ -73,10 +73,9 @@ def save_png(figure: Figure, path: str) -> None:
 
 
 def _family(op: str) -> str:
-    from fsdp_testing.patching import COLLECTIVE_FAMILIES
+    from fsdp_testing.collectives import family_of
 
-    default = op if op in COLORS else "other collective"
-    return next((f for f, names in COLLECTIVE_FAMILIES.items() if op in names), default)
+    return family_of(op) or (op if op in COLORS else "other collective")
 
 
 def _placement(event: dict[str, Any]) -> tuple[str, float, float] | None:
