@@ -10,6 +10,8 @@ Layout (one role per module):
 - ``_streams``: the CUDA side streams and the events that order them (absent on the CPU).
 - ``_collectives``: pure functions over ``torch.distributed`` (looked up at call time).
 - ``_exec_order``: the recorded forward order, prefetch targets, cross-rank order validation.
+- ``_order_check``: the order tag every unit collective carries in its payload, compared after
+  it (a divergence in any iteration raises on every rank, with no extra collective).
 - ``_runtime``: ``FSDPState``, root lazy init and the forward/backward hooks.
 - ``_full_params``: ``summon_full_params``.
 - ``_state_dict``: full state dict save and load.

@@ -63,7 +63,12 @@ __all__ = [
     "TagOp",
     "UnitTags",
     "carries_tags",
+    "codes_from_digits",
+    "decode",
+    "encode",
     "reduce_tag_numel",
+    "write_gather_tag",
+    "write_reduce_tag",
 ]
 
 _BASE = 256  # digits in [0, 256): exact in bf16. See [Note: order check].
@@ -123,6 +128,7 @@ def decode(code: int) -> tuple[int, TagOp, int]:
 
 
 def digits(code: int) -> tuple[int, int]:
+    """The two base-256 digits of a 16-bit code, high first."""
     return code // _BASE, code % _BASE
 
 
