@@ -149,7 +149,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
-    note = dict(report.user_properties).get("fsdp_testing_world")
+    # Collection reports have no user_properties.
+    note = dict(getattr(report, "user_properties", ())).get("fsdp_testing_world")
     if note and report.when == "call" and report.passed:
         return "passed", ".", f"PASSED ({note})"
     return None

@@ -12,6 +12,10 @@ import types
 __all__ = ["RankState"]
 
 _MISSING = object()
+_MONOTONIC = frozenset({"_group_count"})
+"""Counters that must only grow: c10d names each new group (and its store keys) from
+``_group_count``, so winding it back makes the next ``new_group`` on a warm rank reuse a name
+whose rendezvous keys are already in the store, and hang."""
 
 
 class RankState:
@@ -46,6 +50,8 @@ class RankState:
                 delattr(module, key)
                 undone.append(f"{module.__name__}.{key} (added)")
             for key, value in attrs.items():
+                if key in _MONOTONIC:
+                    continue
                 if current.get(key, _MISSING) is not value:
                     setattr(module, key, value)
                     undone.append(f"{module.__name__}.{key} (patched)")

@@ -53,6 +53,16 @@ def test_b_sees_fresh_state(rank):
     assert gathered[0] == gathered[1], "ranks do not start from the same RNG state"
 
 
+@pytest.mark.distributed(world_size=2, timeout=20)
+def test_b2_new_group_after_a_reset(rank):
+    _note("b2", rank)
+    # test_a created a group; its name must not be handed out again on the same warm ranks.
+    group = dist.new_group([0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    assert t.item() == 2
+
+
 @pytest.mark.distributed(world_size=2)
 def test_c_fails_with_stuck_peer(rank):
     _note("c", rank)
