@@ -134,8 +134,8 @@ class WrapperEngine(BaseEngine):
         state_dict_type = self._require("state_dict_type")
         if self.api.StateDictType is None:
             raise NotImplementedError(
-                f"engine {self.name!r}: StateDictType does not exist yet; run this test with "
-                "another engine (use_engine('torch_fsdp1') or --fsdp-engine torch_fsdp1)"
+                f"engine {self.name!r} has no StateDictType; run this test with another engine "
+                "(use_engine('torch_fsdp1') or --fsdp-engine torch_fsdp1)"
             )
         with state_dict_type(module, self.api.StateDictType.FULL_STATE_DICT):
             yield

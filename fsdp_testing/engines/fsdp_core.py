@@ -146,9 +146,9 @@ def _import(module_name: str) -> object:
         return importlib.import_module(module_name)
     except ImportError as error:
         raise NotImplementedError(
-            f"engine 'fsdp_core': cannot import {module_name} ({error}); the core may not be "
-            "built yet. Select another engine: use_engine('torch_fsdp1') or "
-            "--fsdp-engine torch_fsdp1"
+            f"engine 'fsdp_core': cannot import {module_name} ({error}); reinstall the "
+            "fsdp-testing distribution (it ships fsdp_core), or select another engine: "
+            "use_engine('torch_fsdp1') or --fsdp-engine torch_fsdp1"
         ) from error
 
 
@@ -156,7 +156,8 @@ def _attribute(owner: object, name: str) -> type:
     found = getattr(owner, name, None)
     if found is None:
         raise NotImplementedError(
-            f"engine 'fsdp_core': {getattr(owner, '__name__', owner)}.{name} does not exist yet; "
-            "select another engine: use_engine('torch_fsdp1') or --fsdp-engine torch_fsdp1"
+            f"engine 'fsdp_core': this fsdp_core has no {getattr(owner, '__name__', owner)}."
+            f"{name}; select another engine: use_engine('torch_fsdp1') or --fsdp-engine "
+            "torch_fsdp1"
         )
     return found

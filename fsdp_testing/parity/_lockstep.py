@@ -148,13 +148,14 @@ class Lockstep:
                     deterministic=True,
                     **init_kwargs,
                 )
-            except NotImplementedError:
-                raise
             except Exception as error:
-                raise ValueError(
-                    f"Initializing {model_class.__name__} with engine {engine.name!r} raised "
-                    f"{error}"
-                ) from error
+                # Keep the engine's own exception (its type says what kind of mistake it is);
+                # say which model and engine it came from.
+                error.add_note(
+                    f"while initializing {model_class.__name__} with engine {engine.name!r} "
+                    f"(fsdp_init_mode={fsdp_init_mode}, kwargs={fsdp_kwargs})"
+                )
+                raise
             if not engine.is_wrapped(model):
                 # The reference is data parallel over the whole model: shard the root too.
                 model = engine.wrap(model, process_group, **fsdp_kwargs)

@@ -200,10 +200,6 @@ def test_params_left_on_the_wrong_device_fail_with_the_devices(rank):
 
 @pytest.mark.distributed(world_size=2, mode="thread")
 def test_core_offload_copies_are_recorded(rank, process_group):
-    from fsdp_core import events
-
-    if not hasattr(events, "OffloadCopy"):
-        pytest.skip("fsdp_core.events.OffloadCopy does not exist yet (CPU offload in progress)")
     from fsdp_core import CPUOffload
 
     model = _mlp_stack("fsdp_core", process_group, cpu_offload=CPUOffload(offload_params=True))
