@@ -314,3 +314,23 @@ def test_full_state_dict_survives_save_zero_load_for_fsdp1(process_group):
     engine.load_full_state_dict(model, saved)
     restored = engine.full_state_dict(model)
     assert all(torch.equal(restored[k], v) for k, v in saved.items())
+
+
+class _BadOptionModel(NestedWrappedModule):
+    @staticmethod
+    def init(*args, **kwargs):  # type: ignore[override]
+        raise TypeError("wrap() got an unexpected keyword argument 'shard_everything'")
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_an_engine_init_error_keeps_its_type_and_names_model_and_engine(process_group):
+    with pytest.raises(TypeError, match="shard_everything") as info:
+        check_fsdp_parity(
+            _BadOptionModel,
+            FSDPInitMode.RECURSIVE,
+            DEVICEInitMode.DEVICE_BEFORE,
+            process_group=process_group,
+            engine="fsdp_core",
+        )
+    notes = getattr(info.value, "__notes__", [])
+    assert any("_BadOptionModel" in n and "'fsdp_core'" in n for n in notes), notes
