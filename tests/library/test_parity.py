@@ -318,7 +318,9 @@ def test_full_state_dict_survives_save_zero_load_for_fsdp1(process_group):
 
 class _BadOptionModel(NestedWrappedModule):
     @staticmethod
-    def init(*args, **kwargs):  # type: ignore[override]
+    def init(group, fsdp_init_mode, *args, **kwargs):  # type: ignore[override]
+        if fsdp_init_mode is FSDPInitMode.NO_FSDP:  # the reference builds fine
+            return NestedWrappedModule.init(group, fsdp_init_mode, *args, **kwargs)
         raise TypeError("wrap() got an unexpected keyword argument 'shard_everything'")
 
 
