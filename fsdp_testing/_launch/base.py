@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fsdp_testing._protocol import Task
-    from fsdp_testing._report.verdict import Observation
+    from fsdp_testing._report.observation import Observation
 
 __all__ = ["Launcher"]
 

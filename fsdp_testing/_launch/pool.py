@@ -49,7 +49,7 @@ from fsdp_testing._protocol import (
     Task,
 )
 from fsdp_testing._report import collective_log
-from fsdp_testing._report.verdict import Observation
+from fsdp_testing._report.observation import Observation
 
 __all__ = ["ProcessLauncher"]
 

@@ -18,7 +18,7 @@ from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
 from fsdp_testing._rank.state_reset import RankState
 from fsdp_testing._report import collective_log
-from fsdp_testing._report.verdict import Observation
+from fsdp_testing._report.observation import Observation
 
 __all__ = ["ThreadLauncher"]
 

@@ -17,7 +17,7 @@ from fsdp_testing._protocol import RankResult, Task
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
 from fsdp_testing._report import collective_log
-from fsdp_testing._report.verdict import Observation
+from fsdp_testing._report.observation import Observation
 
 __all__ = ["TorchrunLauncher", "in_launched_job", "launched_rank", "launched_world_size"]
 

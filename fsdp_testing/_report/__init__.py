@@ -1,5 +1,6 @@
 """From what the ranks did to what pytest reports.
 
+- ``observation.py``: what a launcher saw of one task (the verdict's input).
 - ``verdict.py``: one outcome for the test from every rank's result; the failure report.
 - ``hang_report.py``: the report of a test that timed out (divergence, stacks).
 - ``collective_log.py``: the per-rank log of collectives, readable while a rank is blocked.

@@ -10,7 +10,7 @@ import importlib.util
 import linecache
 import os
 import re
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from fsdp_testing._protocol import Outcome
 from fsdp_testing._report.divergence import (
@@ -18,10 +18,8 @@ from fsdp_testing._report.divergence import (
     format_records,
     injected_faults,
 )
+from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.text import rank_heading, ranks_phrase
-
-if TYPE_CHECKING:
-    from fsdp_testing._report.verdict import Observation
 
 __all__ = ["readable_stack", "timeout_report", "trim_stack"]
 

@@ -14,29 +14,10 @@ import enum
 from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.divergence import injected_faults
 from fsdp_testing._report.hang_report import timeout_report, trim_stack
+from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.text import rank_heading, ranks_phrase
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
-
-
-@dataclasses.dataclass
-class Observation:
-    """Everything the launcher saw of one distributed task."""
-
-    world_size: int
-    timeout: float
-    results: dict[int, RankResult] = dataclasses.field(default_factory=dict)
-    dead: set[int] = dataclasses.field(default_factory=set)
-    """Ranks whose process ended without sending a result."""
-    stragglers: set[int] = dataclasses.field(default_factory=set)
-    """Ranks still running when the parent gave up on them (timeout or failed peer)."""
-    timed_out: bool = False
-    exit_status: dict[int, str] = dataclasses.field(default_factory=dict)
-    stacks: dict[int, str] = dataclasses.field(default_factory=dict)
-    records: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
-    last_output: dict[int, str] = dataclasses.field(default_factory=dict)
-    unstoppable: set[int] = dataclasses.field(default_factory=set)
-    """Thread ranks that could not be stopped (blocked outside Python)."""
 
 
 class VerdictOutcome(str, enum.Enum):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp_testing._protocol import Outcome, RankResult
-from fsdp_testing._report.verdict import Observation, VerdictOutcome, judge
+from fsdp_testing._report.observation import Observation
+from fsdp_testing._report.verdict import VerdictOutcome, judge
 
 P, F, S, X = Outcome.PASSED, Outcome.FAILED, Outcome.SKIPPED, Outcome.XFAILED
 

@@ -1,0 +1,29 @@
+"""Everything a launcher saw of one distributed task: the input of the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_testing._protocol import RankResult
+
+__all__ = ["Observation"]
+
+
+@dataclasses.dataclass
+class Observation:
+    """Everything the launcher saw of one distributed task."""
+
+    world_size: int
+    timeout: float
+    results: dict[int, RankResult] = dataclasses.field(default_factory=dict)
+    dead: set[int] = dataclasses.field(default_factory=set)
+    """Ranks whose process ended without sending a result."""
+    stragglers: set[int] = dataclasses.field(default_factory=set)
+    """Ranks still running when the parent gave up on them (timeout or failed peer)."""
+    timed_out: bool = False
+    exit_status: dict[int, str] = dataclasses.field(default_factory=dict)
+    stacks: dict[int, str] = dataclasses.field(default_factory=dict)
+    records: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
+    last_output: dict[int, str] = dataclasses.field(default_factory=dict)
+    unstoppable: set[int] = dataclasses.field(default_factory=set)
+    """Thread ranks that could not be stopped (blocked outside Python)."""
