@@ -3,6 +3,8 @@
 Layout (one role per module):
 
 - ``api``: public enums and frozen config dataclasses.
+- ``_init``: construction steps both doors share (owned parameters and buffers, nested units,
+  ``sync_module_states``).
 - ``_param``: one parameter moving between its local dim-0 shard and its unsharded form.
 - ``_unit``: ``FSDPUnit``, the parameters of one fully sharded module, with one all-gather per
   unshard and one gradient reduction per backward (CPU offload copies included).

@@ -25,24 +25,37 @@ also compare the local forward order against the recorded one and warn once on a
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Literal
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch.distributed as dist
+from torch import nn
 
 from . import _collectives
 from ._order_check import OrderChecker
+from ._unit import FSDPUnit
 
-if TYPE_CHECKING:
-    from torch import nn
+__all__ = ["ExecOrder", "OrderedState"]
 
-    from ._runtime import FSDPState
 
-__all__ = ["ExecOrder"]
+class OrderedState(Protocol):
+    """What the execution order needs of an FSDP instance's state (``_runtime.FSDPState``)."""
+
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def owner(self) -> nn.Module: ...
+
+    @property
+    def unit(self) -> FSDPUnit | None: ...
+
+
+FSDPState = TypeVar("FSDPState", bound=OrderedState)
 
 _OPS = ("unshard", "reduce")
 
 
-class ExecOrder:
+class ExecOrder(Generic[FSDPState]):
     """Forward order of the FSDP instances under one root, shared by all of them.
 
     Args:
@@ -59,6 +72,7 @@ class ExecOrder:
         self.post_forward_order: list[FSDPState] = []
         # The owners (wrapper modules) in post-forward order; the same list on every instance.
         self.graph_order: list[nn.Module] = []
+        self._graph_index: dict[int, int] = {}  # id(state) -> its position in graph order
         self._forward_pos = 0
         self._warned = False
         # Codes and comparison of the in-payload order tags. See [Note: order check].
@@ -98,8 +112,15 @@ class ExecOrder:
             return
         self.recording = False
         self.graph_order.extend(s.owner for s in self.post_forward_order)
-        for i, state in enumerate(self.post_forward_order):
-            state.graph_index = i
+        self._graph_index = {id(s): i for i, s in enumerate(self.post_forward_order)}
+
+    def graph_index(self, state: FSDPState) -> int | None:
+        """``state``'s position in the graph order, once the first forward has finished."""
+        return self._graph_index.get(id(state))
+
+    def index(self, state: FSDPState) -> int:
+        """``state``'s position under the root: the unit index ranks compare."""
+        return self._index[id(state)]
 
     def finish_iteration(self) -> None:
         """Called when the root's backward (or a forward without grad) ends.
@@ -120,9 +141,10 @@ class ExecOrder:
 
     def next_to_backward(self, state: FSDPState) -> FSDPState | None:
         """The state whose backward comes after ``state``'s. See [Note: graph order]."""
-        if self.recording or state.graph_index is None or state.graph_index == 0:
+        index = self._graph_index.get(id(state))
+        if self.recording or index is None or index == 0:
             return None
-        return self.post_forward_order[state.graph_index - 1]
+        return self.post_forward_order[index - 1]
 
     # ------------------------------------------------------------------ validation
     def validate(self, state: FSDPState, op: Literal["unshard", "reduce"]) -> None:

@@ -32,13 +32,24 @@ unsharded form. See [Note: requires_grad changes after wrapping] in ``_unit``.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ParamSpec", "ShardedParam"]
+__all__ = ["ParamSpec", "ShardedParam", "ShardedState"]
+
+
+class ShardedState(enum.Enum):
+    """Which form of a parameter the module sees, and whether the unsharded storage exists."""
+
+    SHARDED = enum.auto()
+    """The module sees the local shard; the unsharded storage is freed (or aliases the shard)."""
+    UNSHARDED = enum.auto()
+    """The module sees the unsharded parameter; its storage is allocated."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,7 @@ class ShardedParam:
         if alias and shard_world != 1:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
         self._aliased = alias
+        self.state = ShardedState.SHARDED
         self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
         if alias:
             self._unsharded_padded = None
@@ -173,14 +185,37 @@ class ShardedParam:
         if self.unsharded.requires_grad != self.sharded.requires_grad:
             self.unsharded.requires_grad_(self.sharded.requires_grad)
 
-    def use_unsharded(self) -> None:
+    # ------------------------------------------------------------------ transitions
+    def to_unsharded(self) -> None:
+        """SHARDED -> UNSHARDED: allocate the unsharded storage and show it to the module.
+
+        The storage is filled by :meth:`copy_from_gathered` (on CUDA, after this returns).
+        """
+        self._assert_state(ShardedState.SHARDED)
+        self.alloc_unsharded()
         self.sync_requires_grad()
         for module, name in self.slots:
             module._parameters[name] = self.unsharded
+        self.state = ShardedState.UNSHARDED
 
-    def use_sharded(self) -> None:
+    def to_sharded(self) -> None:
+        """UNSHARDED -> SHARDED: show the local shard to the module and free the storage."""
+        self._assert_state(ShardedState.UNSHARDED)
+        self.expose_sharded()
+        self.free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    def expose_sharded(self) -> None:
+        """Put the local shard back into every slot (after something else was shown there)."""
         for module, name in self.slots:
             module._parameters[name] = self.sharded
+
+    def _assert_state(self, expected: ShardedState) -> None:
+        if self.state is not expected:
+            raise AssertionError(
+                f"[rank {dist.get_rank() if dist.is_initialized() else 0}] parameter "
+                f"{self.fqn!r} is {self.state.name}, expected {expected.name}"
+            )
 
     @property
     def device(self) -> torch.device:

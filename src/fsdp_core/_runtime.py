@@ -36,14 +36,7 @@ from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
-from .api import (
-    BackwardPrefetch,
-    FullStateDictConfig,
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictType,
-    TrainingState,
-)
+from .api import BackwardPrefetch, FullStateDictConfig, StateDictType, TrainingState
 
 __all__ = [
     "WRAPPED_MODULE_NAME",
@@ -71,14 +64,35 @@ _BACKWARD_STATES = (
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """The options of one FSDP instance that the runtime acts on."""
+    """The options of one FSDP instance that the runtime acts on, resolved by its front door.
 
-    sharding_strategy: ShardingStrategy
-    backward_prefetch: BackwardPrefetch | None
-    forward_prefetch: bool
-    limit_all_gathers: bool
-    mixed_precision: MixedPrecision | None = None
-    offload_params: bool = False
+    Args:
+        reshard_after_forward: free the unsharded parameters after forward (``True``), keep
+            them for backward (``False``), or keep a copy sharded over groups of that many
+            ranks (an int; see [Note: reshard after forward to a smaller world] in ``_unit``).
+        reshard_root_after_forward: whether the root honours ``reshard_after_forward``; the
+            root's parameters are the first that backward needs, so both doors keep them by
+            default.
+        backward_prefetch: when backward gathers the next unit in graph order, or ``None``
+            (no automatic backward prefetch).
+        forward_prefetch: gather the next unit in forward order when a forward starts.
+        limit_all_gathers: skip a prefetch while two non-root units are unsharded.
+        buffer_dtype: the dtype floating-point buffers are cast to for compute, or ``None``.
+        input_dtype: the dtype this instance casts floating-point forward inputs to, or
+            ``None``.
+        root_input_dtype: the same, when this instance is the root.
+        output_dtype: the dtype floating-point forward outputs are cast to, or ``None``.
+    """
+
+    reshard_after_forward: bool | int = True
+    reshard_root_after_forward: bool = False
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    buffer_dtype: torch.dtype | None = None
+    input_dtype: torch.dtype | None = None
+    root_input_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -143,8 +157,7 @@ class FSDPState:
         self.fqn = ""
         self.is_root: bool | None = None  # decided at the first forward
         self.root: FSDPState | None = None
-        self.exec_order: ExecOrder | None = None
-        self.graph_index: int | None = None
+        self.exec_order: ExecOrder[FSDPState] | None = None
         self.all_states: list[FSDPState] = []  # root only: the cached traversal
         self._ran_pre_backward = False
         # Whether the last forward's outputs carry a pre-backward hook (some output requires
@@ -190,7 +203,7 @@ class FSDPState:
                 state.unit.name = state.fqn
             states.append(state)
         self.all_states = states
-        order = ExecOrder(states)
+        order: ExecOrder[FSDPState] = ExecOrder(states)
         for index, state in enumerate(states):
             state.exec_order = order
             if state.unit is not None and state.tag_collectives:
@@ -198,10 +211,10 @@ class FSDPState:
                 state.unit.order_tags = order.checker.for_unit(index, state.unit.group)
         self._validate_offloaded_devices()
         for state in states:
-            policy = state.config.mixed_precision
-            if policy is not None and policy.buffer_dtype is not None:
+            buffer_dtype = state.config.buffer_dtype
+            if buffer_dtype is not None:
                 for slot in state.buffers:
-                    slot.cast(policy.buffer_dtype)
+                    slot.cast(buffer_dtype)
         devices = {s.unit.device for s in states if s.unit is not None}
         cuda = [d for d in devices if uses_streams(d)]
         if cuda:
@@ -263,14 +276,12 @@ class FSDPState:
 
     def _forward_input_dtype(self) -> torch.dtype | None:
         """The dtype this instance casts its floating-point forward inputs to, if any."""
-        policy = self.config.mixed_precision
-        if policy is None or policy.param_dtype is None:
-            return None
-        if self.unit is not None and not self.unit.precision.casts_params:
+        config = self.config
+        dtype = config.root_input_dtype if self.is_root else None
+        dtype = dtype or config.input_dtype
+        if dtype is None or (self.unit is not None and not self.unit.precision.casts_params):
             return None  # a no-op policy: see [Note: mixed precision]
-        if policy.cast_forward_inputs or (self.is_root and policy.cast_root_forward_inputs):
-            return policy.param_dtype
-        return None
+        return dtype
 
     def post_forward(self, output: Any) -> Any:
         order = self._order()
@@ -288,10 +299,11 @@ class FSDPState:
         return output
 
     def _reshards_after_forward(self, grad_enabled: bool) -> bool:
-        if self.config.sharding_strategy is not ShardingStrategy.FULL_SHARD:
-            return not grad_enabled
-        # The root's parameters are the first ones backward needs: keep them.
-        return not (self.is_root and grad_enabled)
+        if not grad_enabled:
+            return True  # no backward will need them
+        if self.is_root and not self.config.reshard_root_after_forward:
+            return False  # the first parameters backward needs
+        return self.config.reshard_after_forward is not False
 
     # ------------------------------------------------------------------ backward
     def _register_pre_backward_hooks(self, output: Any) -> None:
@@ -421,7 +433,7 @@ class FSDPState:
                 return
         target._unshard(reason)
 
-    def _order(self) -> ExecOrder:
+    def _order(self) -> ExecOrder[FSDPState]:
         if self.exec_order is None:
             raise AssertionError(f"[rank {self._rank}] FSDP state used before lazy init")
         return self.exec_order
@@ -449,7 +461,7 @@ def set_order_tags(module: nn.Module, *, enabled: bool) -> None:
         unit, order = state.unit, state.exec_order
         if unit is None or order is None:
             continue  # lazy init has not run yet: it reads ``tag_collectives``
-        index = order.states.index(state)
+        index = order.index(state)
         unit.order_tags = order.checker.for_unit(index, unit.group) if enabled else None
 
 

@@ -136,8 +136,7 @@ def _buffer_orig_dtypes(module: nn.Module, prefix: str) -> dict[str, torch.dtype
     names = {id(m): clean_fqn(name) for name, m in module.named_modules()}
     found: dict[str, torch.dtype] = {}
     for state in states_in(module):
-        policy = state.config.mixed_precision
-        if policy is None or policy.buffer_dtype is None:
+        if state.config.buffer_dtype is None:
             continue
         for slot in state.buffers:
             owner = names.get(id(slot.module))

@@ -173,7 +173,7 @@ class FSDPUnit:
         self._gathered: torch.Tensor | None = None  # 1D, shard_world * flat shard numel
         self._gathered_event: torch.cuda.Event | None = None
         for p in self.params:
-            p.use_sharded()
+            p.expose_sharded()
 
     # ------------------------------------------------------------------ transitions
     def unshard(self, reason: events.UnshardReason = "explicit") -> None:
@@ -196,7 +196,7 @@ class FSDPUnit:
                     self._gathered = self._gather(self.precision.param_dtype, op)
                     self._gathered_event = streams.all_gather.record_event()
         for p in self.params:
-            p.use_unsharded()
+            p.to_unsharded()
         self.is_unsharded = True
         if events.has_subscribers():
             events.publish(
@@ -225,8 +225,7 @@ class FSDPUnit:
         # A prefetch that was never waited on: its output was only used on the gather stream.
         self._gathered = self._gathered_event = None
         for p in self.params:
-            p.use_sharded()
-            p.free_unsharded()
+            p.to_sharded()
         self.is_unsharded = False
         if events.has_subscribers():
             events.publish(
@@ -468,7 +467,7 @@ class FSDPUnit:
 
     def use_sharded_params(self) -> None:
         for p in self.params:
-            p.use_sharded()
+            p.expose_sharded()
 
     def write_back(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy this rank's rows of every full tensor in ``tensors`` into the shards."""

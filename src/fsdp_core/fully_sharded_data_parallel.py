@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import _state_dict
+from . import _init, _state_dict
 from . import wrap as _wrap
 from ._clip_grad import clip_grad_norm
 from ._full_params import summon_full_params as _summon_full_params
 from ._param import ParamSpec
-from ._precision import BufferSlot, UnitPrecision
+from ._precision import UnitPrecision
 from ._runtime import (
     WRAPPED_MODULE_NAME,
     FSDPState,
@@ -106,11 +106,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None  # for mypy: WORLD is set once initialized
-        ignored = set(ignored_modules or ())
-        bad_ignored = [m for m in ignored if not isinstance(m, nn.Module)]
-        if bad_ignored:
-            raise TypeError(f"ignored_modules takes nn.Module instances, got {bad_ignored}.")
-        ignored = {sub for m in ignored for sub in m.modules()}
+        ignored = _init.expand_ignored("FullyShardedDataParallel", ignored_modules)
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -142,36 +138,64 @@ class FullyShardedDataParallel(nn.Module):
                 ignored,
             )
         if device_id is not None:
-            module.to(_device_from_id(device_id))
-        specs = _collect_params(module, ignored)
+            module.to(_init.device_from_id("FullyShardedDataParallel", device_id))
+        self.__dict__["_fsdp_state"] = self._init_state(module, ignored, sync_module_states)
+
+    def _init_state(
+        self, module: nn.Module, ignored: set[nn.Module], sync_module_states: bool
+    ) -> FSDPState:
+        """Collect what this instance owns (see [Note: ownership]) and build its runtime."""
+        specs = _init.collect_params(module, ignored_modules=ignored, is_unit=_is_unit)
+        nested = {
+            i
+            for child in _init.nested_unit_modules(module, _is_unit)
+            for i in getattr(child, "_consumed_param_ids", ())
+        }
+        shared = sorted(s.fqn for s in specs if id(s.param) in nested)
+        if shared:
+            raise ValueError(
+                f"FullyShardedDataParallel: parameters {shared} are shared between a nested "
+                "FSDP instance and its parent. Shared (tied) parameters must belong to one "
+                "unit: wrap their lowest common ancestor instead (change the auto_wrap_policy "
+                "so the modules using them are not wrapped separately), or use fully_shard, "
+                "which moves them to that unit."
+            )
+        specs = [ParamSpec(clean_fqn(s.fqn), s.param, s.slots) for s in specs]
+        _init.validate_no_scalars("FullyShardedDataParallel", specs)
         if sync_module_states:
-            _sync_module_states(module, specs, ignored, group)
+            _init.sync_module_states(module, specs, ignored, self.process_group)
+        strategy = self.sharding_strategy
+        policy = self.mixed_precision
         unit = None
         if specs:
-            orig_dtype = specs[0].param.dtype
             unit = FSDPUnit(
                 module,
                 specs,
-                group,
+                self.process_group,
                 replicate=strategy is ShardingStrategy.NO_SHARD,
-                precision=UnitPrecision.resolve(mixed_precision, orig_dtype),
+                precision=UnitPrecision.resolve(policy, specs[0].param.dtype),
                 offload_params=self.cpu_offload.offload_params,
             )
         # Ids of the original parameters this instance and its nested instances took over.
-        self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | {
-            i for child in _nested_wrappers(module) for i in child._consumed_param_ids
-        }
+        self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | nested
         setattr(self, WRAPPED_MODULE_NAME, module)
+        full_shard = strategy is ShardingStrategy.FULL_SHARD
+        param_dtype = policy.param_dtype if policy is not None else None
         config = RuntimeConfig(
-            sharding_strategy=strategy,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            mixed_precision=mixed_precision,
-            offload_params=self.cpu_offload.offload_params,
+            # FSDP1's root keeps its parameters for backward: they are the first it needs.
+            reshard_after_forward=full_shard,
+            reshard_root_after_forward=False,
+            backward_prefetch=self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
+            buffer_dtype=policy.buffer_dtype if policy is not None else None,
+            input_dtype=param_dtype if policy is not None and policy.cast_forward_inputs else None,
+            root_input_dtype=(
+                param_dtype if policy is not None and policy.cast_root_forward_inputs else None
+            ),
         )
-        buffers = _collect_buffers(module, ignored)
-        self.__dict__["_fsdp_state"] = FSDPState(self, unit, config, buffers)
+        buffers = _init.collect_buffers(module, ignored_modules=ignored, is_unit=_is_unit)
+        return FSDPState(self, unit, config, buffers)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -209,7 +233,8 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def _my_fsdp_idx_in_graph(self) -> int | None:
-        return self._fsdp_state.graph_index
+        order = self._fsdp_state.exec_order
+        return order.graph_index(self._fsdp_state) if order is not None else None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -471,89 +496,5 @@ def _validate_args(
         )
 
 
-def _device_from_id(device_id: int | torch.device) -> torch.device:
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    if isinstance(device_id, torch.device):
-        return device_id
-    raise TypeError(f"device_id takes an int or torch.device, got {device_id!r}.")
-
-
-def _nested_wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
-    """The FSDP instances directly below ``module`` (not below another instance)."""
-    found: list[FullyShardedDataParallel] = []
-    for child in module.children():
-        if isinstance(child, FullyShardedDataParallel):
-            found.append(child)
-        else:
-            found.extend(_nested_wrappers(child))
-    return found
-
-
-def _collect_params(module: nn.Module, ignored: set[nn.Module]) -> list[ParamSpec]:
-    """The parameters ``module`` owns: not under a nested FSDP instance or an ignored module."""
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    params: dict[int, tuple[str, nn.Parameter]] = {}
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        if m in ignored or (m is not module and state_of(m) is not None):
-            return
-        for name, param in m._parameters.items():
-            if param is None:
-                continue
-            params.setdefault(id(param), (prefix + name, param))
-            slots.setdefault(id(param), []).append((m, name))
-        for child_name, child in m._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
-    nested_ids = {i for w in _nested_wrappers(module) for i in w._consumed_param_ids}
-    shared = [fqn for i, (fqn, _) in params.items() if i in nested_ids]
-    if shared:
-        raise ValueError(
-            f"FullyShardedDataParallel: parameters {sorted(shared)} are shared between a nested "
-            "FSDP instance and its parent. Shared (tied) parameters must belong to one unit: "
-            "wrap their lowest common ancestor instead (change the auto_wrap_policy so the "
-            "modules using them are not wrapped separately)."
-        )
-    scalars = [fqn for fqn, p in params.values() if p.dim() == 0]
-    if scalars:
-        raise ValueError(
-            f"FullyShardedDataParallel doesn't support scalar parameters {sorted(scalars)}: "
-            "they cannot be sharded in dim 0. Change each to a 1D tensor with numel equal to 1."
-        )
-    return [ParamSpec(clean_fqn(fqn), param, tuple(slots[i])) for i, (fqn, param) in params.items()]
-
-
-def _collect_buffers(module: nn.Module, ignored: set[nn.Module]) -> list[BufferSlot]:
-    """The floating-point buffers ``module`` owns: not under a nested instance or ignored."""
-    slots: list[BufferSlot] = []
-    seen: set[int] = set()
-
-    def visit(m: nn.Module) -> None:
-        if m in ignored or (m is not module and state_of(m) is not None) or id(m) in seen:
-            return
-        seen.add(id(m))
-        for name, buffer in m._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                slots.append(BufferSlot(m, name, buffer.dtype))
-        for child in m._modules.values():
-            if child is not None:
-                visit(child)
-
-    visit(module)
-    return slots
-
-
-def _sync_module_states(
-    module: nn.Module, specs: list[ParamSpec], ignored: set[nn.Module], group: dist.ProcessGroup
-) -> None:
-    """Broadcast this unit's parameters and buffers from the group's rank 0 (in place)."""
-    tensors = [s.param.detach() for s in specs]
-    ignored_ids = {id(b) for m in ignored for b in m.buffers()}
-    tensors += [b.detach() for b in module.buffers() if id(b) not in ignored_ids]
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in tensors:
-            dist.broadcast(tensor, src=src, group=group)
+def _is_unit(module: nn.Module) -> bool:
+    return state_of(module) is not None
