@@ -1,0 +1,7 @@
+"""Graph mode: one joint forward + loss + backward graph of a ``fully_shard`` model, with FSDP's
+choices (reshard after forward, bucketing, prefetch) as passes over it."""
+
+from . import passes
+from .memory import memory_timeline, peak_memory
+
+__all__ = ["memory_timeline", "passes", "peak_memory"]
