@@ -1,0 +1,171 @@
+"""``TrainStep``: a traced joint graph bound to its model, run as one training step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import events
+from . import _meta
+from ._trace import trace_joint_graph
+from ._units import GraphParam, find_units
+
+__all__ = ["TrainStep", "trace_train_step"]
+
+GraphPass = Callable[[torch.fx.GraphModule], torch.fx.GraphModule]
+
+
+class _PublishingInterpreter(torch.fx.Interpreter):
+    """Runs the graph node by node and publishes one ``events.Collective`` per collective, so
+    the recorder sees graph mode's collectives in the order the graph issues them."""
+
+    def __init__(self, gm: torch.fx.GraphModule, rank: int) -> None:
+        super().__init__(gm)
+        self.rank = rank
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if _meta.is_collective(n):
+            data = self.env[n.args[0]]  # type: ignore[index]
+            gather = _meta.is_all_gather(n)
+            size, _ = _meta.group_of(n)
+            unsharded = result if gather else data
+            events.publish(
+                events.Collective(
+                    op="all_gather_into_tensor" if gather else "reduce_scatter_tensor",
+                    bytes=unsharded.numel() * unsharded.element_size(),
+                    shapes=(tuple(result.shape), tuple(data.shape)),
+                    dtype=str(data.dtype).removeprefix("torch."),
+                    group_size=size,
+                    unit=n.meta.get(_meta.UNIT, ""),
+                    rank=self.rank,
+                )
+            )
+        return result
+
+
+class TrainStep:
+    """One traced training step of a ``fully_shard`` model: forward, loss and backward.
+
+    ``step.gm`` is the joint graph (inputs: the parameters' local shards, then the batch;
+    outputs: the loss, then each parameter's gradient shard). Calling ``step(*batch)`` runs it,
+    returns the loss and accumulates the gradients into the sharded parameters' ``.grad`` as
+    eager ``fully_shard`` does. Build one with :func:`trace_train_step`.
+    """
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        params: Sequence[GraphParam],
+        example_batch: Sequence[torch.Tensor],
+        passes: tuple[str, ...] = (),
+    ) -> None:
+        self.gm = gm
+        self.passes = passes
+        self._params = tuple(params)
+        self._batch_specs = tuple((tuple(t.shape), t.dtype) for t in example_batch)
+
+    def with_passes(self, *passes: GraphPass) -> TrainStep:
+        """A new ``TrainStep`` over ``gm`` transformed by ``passes`` in order (this one is
+        unchanged). Pass options by keyword with ``functools.partial``."""
+        gm = self.gm
+        names = list(self.passes)
+        for graph_pass in passes:
+            if not callable(graph_pass):
+                raise TypeError(
+                    f"TrainStep.with_passes takes GraphModule -> GraphModule functions, got "
+                    f"{graph_pass!r}; e.g. functools.partial(bucket_all_gathers, bucket_bytes=n)"
+                )
+            gm = graph_pass(gm)
+            names.append(getattr(graph_pass, "__name__", None) or repr(graph_pass))
+        step = TrainStep(gm, self._params, [], tuple(names))
+        step._batch_specs = self._batch_specs
+        return step
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        specs = tuple((tuple(t.shape), t.dtype) for t in batch)
+        if specs != self._batch_specs:
+            raise ValueError(
+                f"TrainStep was traced for a batch of {self._batch_specs} (shape, dtype) and got "
+                f"{specs}; the graph has static shapes: trace again for another batch shape"
+            )
+        shards = [p.param.to_local() for p in self._params]
+        if events.has_subscribers():
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            outputs = _PublishingInterpreter(self.gm, rank).run(*shards, *batch)
+        else:
+            outputs = self.gm(*shards, *batch)
+        loss, grads = outputs[0], outputs[1:]
+        with torch.no_grad():
+            for param, grad in zip(self._params, grads, strict=True):
+                if grad is None:
+                    continue
+                sharded = param.param
+                if sharded.grad is None:
+                    sharded.grad = DTensor.from_local(
+                        grad,
+                        sharded.device_mesh,
+                        [Shard(0)],
+                        run_check=False,
+                        shape=sharded.shape,
+                        stride=sharded.stride(),
+                    )
+                else:
+                    existing = sharded.grad
+                    if not isinstance(existing, DTensor):
+                        raise AssertionError(
+                            f"[rank {dist.get_rank()}] {param.fqn}.grad is a "
+                            f"{type(existing).__name__}, not a DTensor like its parameter"
+                        )
+                    existing.to_local().add_(grad)
+        return loss
+
+
+def trace_train_step(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    example_batch: tuple[torch.Tensor, ...],
+) -> TrainStep:
+    """Trace forward, loss and backward of a ``fully_shard`` model as one joint FX graph.
+
+    Every rank of the model's group must call it (each traces its own graph: shard shapes
+    differ); no collective runs while tracing. See [Note: tracing a fully_shard model] in
+    ``fsdp_core/graph/_trace.py`` and [Note: graph-mode node conventions] in ``_meta.py``.
+
+    Args:
+        model: the root of a model sharded by ``fully_shard`` (every parameter a ``Shard(0)``
+            DTensor; the root itself fully sharded).
+        loss_fn: ``loss_fn(model, *batch)`` returns the scalar loss.
+        example_batch: a tuple of tensors; the graph is specialized to their shapes and dtypes.
+
+    Returns:
+        A :class:`TrainStep`.
+
+    Raises:
+        ValueError: the model is not sharded by ``fully_shard``, or ``loss_fn`` returns no
+            scalar.
+        TypeError: ``example_batch`` is not a tuple of tensors.
+        NotImplementedError: the step has control flow that depends on tensor values (the
+            message names the module).
+    """
+    if not isinstance(example_batch, tuple) or not all(
+        isinstance(t, torch.Tensor) for t in example_batch
+    ):
+        raise TypeError(
+            "trace_train_step(example_batch=...) must be a tuple of tensors, got "
+            f"{type(example_batch).__name__}; pass e.g. (inputs, targets)"
+        )
+    units = find_units("trace_train_step", model)
+    gm, params = trace_joint_graph(model, units, loss_fn, example_batch)
+    return TrainStep(gm, params, example_batch)
+
+
+def apply_passes(gm: torch.fx.GraphModule, passes: Sequence[GraphPass]) -> torch.fx.GraphModule:
+    return functools.reduce(lambda g, p: p(g), passes, gm)

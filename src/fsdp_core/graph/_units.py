@@ -1,0 +1,86 @@
+"""The units of a ``fully_shard`` model as graph mode sees them: which module gathers which
+``Shard(0)`` parameters over which process group, in registration order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["GraphParam", "GraphUnit", "find_units"]
+
+
+@dataclass(frozen=True)
+class GraphParam:
+    """One sharded parameter: where it is registered and its full and local row counts."""
+
+    fqn: str
+    owner: nn.Module  # the module whose ``_parameters`` holds it
+    name: str  # its key in ``owner._parameters``
+    param: DTensor  # an nn.Parameter holding a DTensor with placements (Shard(0),)
+
+
+@dataclass(frozen=True)
+class GraphUnit:
+    """One fully sharded module and the parameters it gathers (those no nested unit owns)."""
+
+    fqn: str
+    module: nn.Module
+    params: tuple[GraphParam, ...]
+    group: dist.ProcessGroup
+
+
+def _is_fully_sharded(module: nn.Module) -> bool:
+    import fsdp_core  # the door's class, looked up lazily: graph mode is an optional layer
+
+    classes: list[type] = [torch.distributed.fsdp.FSDPModule]
+    door = getattr(fsdp_core, "FSDPModule", None)
+    if isinstance(door, type):
+        classes.append(door)
+    return isinstance(module, tuple(classes))
+
+
+def find_units(api: str, model: nn.Module) -> list[GraphUnit]:
+    """The model's units, outermost first; every parameter belongs to the innermost unit module
+    that contains it. Raises ``ValueError`` for a model not sharded by ``fully_shard``."""
+    modules = {name: m for name, m in model.named_modules() if _is_fully_sharded(m)}
+    if "" not in modules:
+        raise ValueError(
+            f"{api} expects a model sharded by fsdp_core.fully_shard, but the root "
+            f"{type(model).__name__} is not fully sharded (fully sharded submodules: "
+            f"{sorted(modules) or 'none'}). Call fully_shard(block) on each block, then "
+            "fully_shard(model) on the root, before tracing."
+        )
+    owned: dict[str, list[GraphParam]] = {name: [] for name in modules}
+    plain: list[str] = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{module_name}.{name}" if module_name else name
+            if not isinstance(param, DTensor) or tuple(param.placements) != (Shard(0),):
+                plain.append(fqn)
+                continue
+            unit = max(
+                (u for u in modules if u == "" or fqn.startswith(u + ".")),
+                key=len,
+            )
+            if any(p.param is param for units in owned.values() for p in units):
+                continue  # a shared parameter is gathered once, by its first owner
+            owned[unit].append(GraphParam(fqn, module, name, param))
+    if plain:
+        raise ValueError(
+            f"{api} traces DTensor parameters sharded as (Shard(0),) only; {sorted(plain)} are "
+            "not. Shard every parameter with fully_shard (and no other placement) first."
+        )
+    units = []
+    for unit_name, module in modules.items():
+        params = owned[unit_name]
+        if not params:
+            continue
+        group = params[0].param.device_mesh.get_group()
+        units.append(GraphUnit(unit_name, module, tuple(params), group))
+    return units
