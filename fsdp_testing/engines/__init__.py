@@ -1,4 +1,5 @@
-"""Sharding engines behind one protocol: ``fsdp_core`` (default), ``torch_fsdp1``, ``torch_fsdp2``.
+"""Sharding engines behind one protocol: ``fsdp_core`` (default), ``fsdp_core_fully_shard``,
+``torch_fsdp1``, ``torch_fsdp2``.
 
 Select one per run (``--fsdp-engine NAME``, which calls :func:`set_default_engine`), per block
 (``with use_engine("torch_fsdp2"): ...``) or explicitly (``get_engine(name).wrap(module)``).

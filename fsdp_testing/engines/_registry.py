@@ -33,6 +33,7 @@ DEFAULT_ENGINE = "fsdp_core"
 # name -> "module:Class" (imported on first use) or a factory returning an engine.
 _FACTORIES: dict[str, str | Callable[[], FSDPEngine]] = {
     "fsdp_core": "fsdp_testing.engines.fsdp_core:FSDPCoreEngine",
+    "fsdp_core_fully_shard": "fsdp_testing.engines.fsdp_core_fully_shard:FSDPCoreFullyShardEngine",
     "torch_fsdp1": "fsdp_testing.engines.torch_fsdp1:TorchFSDP1Engine",
     "torch_fsdp2": "fsdp_testing.engines.torch_fsdp2:TorchFSDP2Engine",
 }
@@ -99,7 +100,7 @@ def register_engine(name: str, factory: Callable[[], FSDPEngine], *, replace: bo
 
 def unregister_engine(name: str) -> None:
     """Removes an engine added with :func:`register_engine` (built-in names cannot be removed)."""
-    if name in ("fsdp_core", "torch_fsdp1", "torch_fsdp2"):
+    if name in ("fsdp_core", "fsdp_core_fully_shard", "torch_fsdp1", "torch_fsdp2"):
         raise ValueError(f"unregister_engine: {name!r} is built in and cannot be removed")
     global _default_name
     with _LOCK:

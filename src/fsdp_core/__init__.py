@@ -21,9 +21,21 @@ Layout (one role per module):
 - ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
 - ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
 - ``fully_sharded_data_parallel``: the FSDP1-style wrapper door.
+- ``_composable``: the composable door, ``fully_shard`` and ``FSDPModule`` (FSDP2 names).
 """
 
 from . import events, wrap
+from ._composable import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -39,12 +51,21 @@ __all__ = [
     "FSDP",
     "BackwardPrefetch",
     "CPUOffload",
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPModule",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "ShardingStrategy",
     "StateDictType",
     "TrainingState",
+    "UnshardHandle",
     "events",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "wrap",
 ]

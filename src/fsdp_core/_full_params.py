@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _collectives
 from ._runtime import FSDPState, states_in
 from ._unit import FSDPUnit
 from .api import TrainingState
@@ -55,7 +56,7 @@ def summon_full_params(
         with torch.no_grad():
             for unit in units:  # same order on every rank: the collectives pair up
                 full = unit.gather_full_params()
-                grads = unit.gather_full_grads() if with_grads else [None] * len(full)
+                grads = _gather_full_grads(unit) if with_grads else [None] * len(full)
                 if not materialize:
                     continue
                 temps = []
@@ -94,3 +95,34 @@ def _validate_idle(states: list[FSDPState]) -> None:
             "forward whose backward has not run. Run the backward first, or run that forward "
             "under torch.no_grad()."
         )
+
+
+def _gather_full_grads(unit: FSDPUnit) -> list[torch.Tensor | None]:
+    """Full gradients of every parameter of ``unit`` (``None`` where no rank has one).
+
+    One all-reduce of a has-gradient mask and one all-gather of the padded gradient shards in
+    the original dtype.
+    """
+    rows = [p.sharded_grad_rows() for p in unit.params]
+    flat = torch.zeros(unit.flat_shard_numel, dtype=unit.dtype, device=unit.device)
+    has_grad = torch.tensor([g is not None for g in rows], dtype=torch.int32)
+    offset = 0
+    for p, grad in zip(unit.params, rows, strict=True):
+        if grad is not None:
+            flat[offset : offset + p.shard_numel].copy_(grad.reshape(-1))
+        offset += p.shard_numel
+    if unit.replicate:
+        gathered = flat
+    else:
+        has_grad = has_grad.to(unit.device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=unit.group)
+        gathered = torch.empty(unit.group_size * flat.numel(), dtype=unit.dtype, device=unit.device)
+        _collectives.all_gather_flat(gathered, flat, unit.group, unit=unit.name)
+    blocks = gathered.view(unit.shard_world, -1)
+    full: list[torch.Tensor | None] = []
+    offset = 0
+    for p, present in zip(unit.params, has_grad.tolist(), strict=True):
+        block = blocks[:, offset : offset + p.shard_numel]
+        full.append(p.full_from_gathered(block) if present else None)
+        offset += p.shard_numel
+    return full

@@ -35,12 +35,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ParamSpec", "ShardedParam", "ShardedState"]
+__all__ = ["DTensorLayout", "ParamSpec", "ShardedParam", "ShardedState", "local_tensor"]
 
 
 class ShardedState(enum.Enum):
@@ -50,6 +51,18 @@ class ShardedState(enum.Enum):
     """The module sees the local shard; the unsharded storage is freed (or aliases the shard)."""
     UNSHARDED = enum.auto()
     """The module sees the unsharded parameter; its storage is allocated."""
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """How the composable door shows a sharded parameter: a ``DTensor`` on ``mesh``.
+
+    The local tensor is still the view into the unit's flat shard, so the optimizer's in-place
+    updates land there (see [Note: sharded and unsharded parameters]).
+    """
+
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh
+    placements: tuple[Any, ...]  # (Shard(0),), or (Replicate(), Shard(0)) for HSDP
 
 
 @dataclass(frozen=True)
@@ -74,8 +87,10 @@ class ShardedParam:
         compute_dtype: torch.dtype,
         compute_device: torch.device,
         alias: bool,
+        layout: DTensorLayout | None = None,
     ) -> None:
         orig = spec.param
+        self.layout = layout
         self.fqn = spec.fqn
         self.slots = spec.slots
         self.full_shape = orig.shape
@@ -92,9 +107,7 @@ class ShardedParam:
         with torch.no_grad():
             self.padded_shard.zero_()
             self.padded_shard[: self.valid_rows].copy_(orig[start : start + self.valid_rows])
-        self.sharded = nn.Parameter(
-            self.padded_shard[: self.valid_rows], requires_grad=orig.requires_grad
-        )
+        self.sharded = self._as_parameter(self.padded_shard[: self.valid_rows], orig.requires_grad)
         if alias and shard_world != 1:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
         self._aliased = alias
@@ -102,7 +115,9 @@ class ShardedParam:
         self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
         if alias:
             self._unsharded_padded = None
-            self.unsharded = nn.Parameter(self.sharded.data, requires_grad=orig.requires_grad)
+            self.unsharded = nn.Parameter(
+                self.padded_shard[: self.valid_rows], requires_grad=orig.requires_grad
+            )
         else:
             self._unsharded_padded = torch.empty(
                 (self.chunk_rows * shard_world, *self.rest),
@@ -114,6 +129,54 @@ class ShardedParam:
             )
             self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
             self.free_unsharded()
+
+    def _as_parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """``local`` (this rank's rows) as the parameter the module shows between passes."""
+        return nn.Parameter(self._as_sharded_tensor(local), requires_grad=requires_grad)
+
+    def _as_sharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        if self.layout is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            return DTensor.from_local(
+                local,
+                self.layout.mesh,
+                self.layout.placements,
+                run_check=False,
+                shape=self.full_shape,
+                stride=_contiguous_stride(self.full_shape),
+            )
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (``full_shape``) in the sharded parameter's form."""
+        rows = full.detach()[self.start_row : self.start_row + self.valid_rows]
+        return self._as_sharded_tensor(rows.to(self.padded_shard.device))
+
+    def rebind(self, flat_segment: torch.Tensor, local: torch.Tensor) -> None:
+        """Move the shard into ``flat_segment`` with the values of ``local`` (this rank's
+        rows, e.g. after ``module.to_empty``) and show the new sharded parameter."""
+        self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)
+        with torch.no_grad():
+            self.padded_shard.zero_()
+            self.padded_shard[: self.valid_rows].copy_(local)
+        self.sharded = self._as_parameter(
+            self.padded_shard[: self.valid_rows], self.sharded.requires_grad
+        )
+        if self._aliased:
+            self.unsharded = nn.Parameter(
+                self.padded_shard[: self.valid_rows], requires_grad=self.sharded.requires_grad
+            )
+        self.expose_sharded()
+
+    def current_local(self) -> torch.Tensor:
+        """The local rows of the parameter the module's first slot holds now."""
+        module, name = self.slots[0]
+        current = module._parameters[name]
+        if current is None:
+            raise AssertionError(f"{self.fqn}: the module's slot {name!r} is empty")
+        return local_tensor(current)
 
     def alloc_unsharded(self) -> None:
         if not self._aliased:
@@ -156,20 +219,20 @@ class ShardedParam:
         grad = shard_flat.view(self.chunk_rows, *self.rest)[: self.valid_rows]
         current = self.sharded.grad
         if current is not None:
-            current += grad
+            local_tensor(current).add_(grad)
         elif grad.dtype == self.sharded.dtype:
-            self.sharded.grad = grad
+            self.sharded.grad = self._as_sharded_tensor(grad)
         else:
             # keep_low_precision_grads: ``.grad`` must match the parameter's dtype when set, so
             # set a placeholder of the right dtype and swap its data for the low-precision one.
             self.sharded.grad = torch.empty_like(self.sharded)
-            self.sharded.grad.data = grad
+            self.sharded.grad.data = self._as_sharded_tensor(grad)
 
     def sharded_grad_rows(self) -> torch.Tensor | None:
         """``sharded.grad`` zero padded to ``(chunk_rows, *rest)`` rows, or ``None``."""
-        grad = self.sharded.grad
-        if grad is None:
+        if self.sharded.grad is None:
             return None
+        grad = local_tensor(self.sharded.grad)
         pad_rows = self.chunk_rows - self.valid_rows
         if pad_rows:
             grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
@@ -220,3 +283,22 @@ class ShardedParam:
     @property
     def device(self) -> torch.device:
         return self.sharded.device
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s local part: itself, or a ``DTensor``'s local shard (sharing storage)."""
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None:
+        return tensor
+    with torch.no_grad():
+        local: torch.Tensor = to_local()
+    return local
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride = []
+    running = 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))

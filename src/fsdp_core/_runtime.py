@@ -116,8 +116,8 @@ def states_in(module: nn.Module, *, root_only: bool = False) -> list[FSDPState]:
             return
         seen.add(id(m))
         state = state_of(m)
-        if state is not None and not (root_only and inside):
-            found.append(state)
+        if state is not None and not (root_only and inside) and state not in found:
+            found.append(state)  # a state of several modules (fully_shard([a, b])) once
         for child in m.children():
             visit(child, inside or state is not None)
 
@@ -150,6 +150,11 @@ class FSDPState:
         self.buffers = buffers or []
         self.training_state = TrainingState.IDLE
         self.sync_gradients = True  # False inside no_sync()
+        self.reshard_after_backward = True  # False: keep the unsharded parameters
+        # Explicit prefetch targets (the composable door's set_modules_to_*_prefetch); they
+        # replace the graph-order prefetch of that pass and apply from the first iteration.
+        self.forward_prefetch_targets: list[FSDPState] | None = None
+        self.backward_prefetch_targets: list[FSDPState] | None = None
         self.state_dict_type = StateDictType.FULL_STATE_DICT
         self.state_dict_config = FullStateDictConfig()
         self.in_state_dict = False  # an enclosing instance is building a full state dict
@@ -159,6 +164,8 @@ class FSDPState:
         self.root: FSDPState | None = None
         self.exec_order: ExecOrder[FSDPState] | None = None
         self.all_states: list[FSDPState] = []  # root only: the cached traversal
+        # Another root whose CUDA streams this root uses (``share_comm_ctx``), if any.
+        self.share_streams_with: FSDPState | None = None
         self._ran_pre_backward = False
         # Whether the last forward's outputs carry a pre-backward hook (some output requires
         # grad); a unit without one never runs backward, so backward prefetch skips it.
@@ -189,7 +196,7 @@ class FSDPState:
         states: list[FSDPState] = []
         for name, module in self.owner.named_modules():
             state = state_of(module)
-            if state is None:
+            if state is None or state in states:
                 continue
             if state is not self and state.is_root:
                 raise AssertionError(
@@ -199,6 +206,8 @@ class FSDPState:
             state.is_root = state is self
             state.root = self
             state.fqn = clean_fqn(name)
+            if state is self and not self.config.reshard_root_after_forward and self.unit:
+                self.unit.post_forward = None  # the root keeps its parameters after forward
             if state.unit is not None:
                 state.unit.name = state.fqn
             states.append(state)
@@ -219,7 +228,9 @@ class FSDPState:
         cuda = [d for d in devices if uses_streams(d)]
         if cuda:
             # See [Note: streams and events]; one set per root, shared by its units.
-            self.streams = CudaStreams(cuda[0])
+            shared = self.share_streams_with
+            shared_streams = shared.streams if shared is not None else None
+            self.streams = shared_streams or CudaStreams(cuda[0])
             for state in states:
                 if state.unit is not None:
                     state.unit.streams = self.streams
@@ -265,7 +276,10 @@ class FSDPState:
             self._register_post_backward_hooks()
         order.record_pre_forward(self)
         self._unshard("forward")
-        if self.config.forward_prefetch:
+        if self.forward_prefetch_targets is not None:
+            for target in self.forward_prefetch_targets:
+                self._prefetch(target, "forward_prefetch", explicit=True)
+        elif self.config.forward_prefetch:
             self._prefetch(order.next_to_forward(self), "forward_prefetch")
         if self.unit is not None:
             self.unit.wait_for_unshard()
@@ -288,9 +302,14 @@ class FSDPState:
         order.record_post_forward(self)
         grad_enabled = torch.is_grad_enabled()
         if self.unit is not None and self._reshards_after_forward(grad_enabled):
+            # An int keeps a copy sharded over a smaller group when backward will need it.
             self.unit.reshard("forward")
+            if not grad_enabled:
+                self.unit.drop_post_forward()
+        if self.config.output_dtype is not None:
+            output = cast_floating_tensors(output, self.config.output_dtype)
         if grad_enabled:
-            self._register_pre_backward_hooks(output)
+            self.hook_outputs(output)
         self.training_state = TrainingState.IDLE
         if self.is_root:
             order.finish_forward()
@@ -306,7 +325,8 @@ class FSDPState:
         return self.config.reshard_after_forward is not False
 
     # ------------------------------------------------------------------ backward
-    def _register_pre_backward_hooks(self, output: Any) -> None:
+    def hook_outputs(self, output: Any) -> None:
+        """Unshard this unit for backward when a gradient reaches a tensor of ``output``."""
         self._ran_pre_backward = False
         self._expects_backward = False
         for leaf in pytree.tree_leaves(output):
@@ -323,7 +343,10 @@ class FSDPState:
         self._assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.PRE_BACKWARD
         self._unshard("backward")
-        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        if self.backward_prefetch_targets is not None:
+            for target in self.backward_prefetch_targets:
+                self._prefetch(target, "backward_prefetch", explicit=True)
+        elif self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
         if self.unit is not None:
             self.unit.wait_for_unshard()
@@ -357,7 +380,7 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         if self.sync_gradients:
             self._order().validate(self, "reduce")
-        self.unit.post_backward(reduce=self.sync_gradients)
+        self.unit.post_backward(reduce=self.sync_gradients, reshard=self.reshard_after_backward)
         if prefetch and self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
 
@@ -378,7 +401,10 @@ class FSDPState:
                 # Some parameter got no gradient in this backward (unused on this path).
                 state._post_backward(prefetch=False)
             if unit is not None:
-                unit.reshard("backward")  # units without gradients, or prefetched and unused
+                if state.reshard_after_backward:
+                    unit.reshard("backward")  # units without gradients, or prefetched unused
+                else:
+                    unit.drop_post_forward()
                 unit.reset_backward()
             state.training_state = TrainingState.IDLE
             state._ran_pre_backward = False
@@ -395,7 +421,8 @@ class FSDPState:
             state._assert_state(TrainingState.IDLE)
             unit = state.unit
             pending = unit is not None and state.sync_gradients and unit.has_pending_grads()
-            if unit is not None and (unit.is_unsharded or pending):
+            unsharded = unit is not None and unit.is_unsharded and state.reshard_after_backward
+            if unit is not None and (unsharded or pending):
                 raise AssertionError(
                     f"[rank {self._rank}] FSDP unit {state.fqn!r} is not idle after the step "
                     f"(unsharded={unit.is_unsharded}, unreduced gradients="
@@ -410,8 +437,13 @@ class FSDPState:
         self._order().validate(self, "unshard")
         unit.unshard(reason)
 
-    def _prefetch(self, target: FSDPState | None, reason: events.UnshardReason) -> None:
-        """Unshard ``target`` early; see ``limit_all_gathers`` in the wrapper's docstring."""
+    def _prefetch(
+        self, target: FSDPState | None, reason: events.UnshardReason, *, explicit: bool = False
+    ) -> None:
+        """Unshard ``target`` early; see ``limit_all_gathers`` in the wrapper's docstring.
+
+        An ``explicit`` target (set by the user) is not limited by ``limit_all_gathers``.
+        """
         if target is None or target.unit is None or target.unit.is_unsharded:
             return
         if reason == "backward_prefetch" and (
@@ -422,7 +454,7 @@ class FSDPState:
             # requires grad, e.g. frozen layers before any trainable one): gathering it again
             # would be wasted.
             return
-        if self.config.limit_all_gathers:
+        if self.config.limit_all_gathers and not explicit:
             root = self._root()
             unsharded = sum(
                 1

@@ -48,9 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives, _order_check, events
+from . import _collectives, _offload, _order_check, events
 from ._order_check import TagOp, UnitTags
-from ._param import ParamSpec, ShardedParam
+from ._param import DTensorLayout, ParamSpec, ShardedParam
+from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
 from ._streams import CudaStreams
 
@@ -79,6 +80,9 @@ class FSDPUnit:
         offload_params: keep shards and sharded gradients on the CPU (default ``False``).
             See [Note: CPU offload].
         compute_device: where forward/backward run (default: the parameters' device).
+        layout: show the sharded parameters as ``DTensor``s (the composable door; default
+            ``None``: plain tensors).
+        pin_memory: pin offloaded shards when an accelerator exists (default ``True``).
     """
 
     def __init__(
@@ -91,6 +95,8 @@ class FSDPUnit:
         precision: UnitPrecision | None = None,
         offload_params: bool = False,
         compute_device: torch.device | None = None,
+        layout: DTensorLayout | None = None,
+        pin_memory: bool = True,
     ) -> None:
         if not specs:
             raise AssertionError(f"[rank {dist.get_rank()}] FSDPUnit needs at least one parameter")
@@ -124,8 +130,15 @@ class FSDPUnit:
             )
         self.offload_params = offload_params
         shard_device = torch.device("cpu") if offload_params else self.device
+        if first.is_meta:
+            shard_device = first.device  # meta-device init: see ``reset_sharded_params``
         # Pinned host memory only pays off (and only exists) with an accelerator.
-        self._pin = offload_params and torch.cuda.is_available() and self.device.type == "cuda"
+        self._pin = (
+            pin_memory
+            and offload_params
+            and torch.cuda.is_available()
+            and self.device.type == "cuda"
+        )
         self.streams: CudaStreams | None = None  # set by the root at lazy init on CUDA
         # Set by the root at lazy init; None: collectives go untagged. See [Note: order check].
         self.order_tags: UnitTags | None = None
@@ -158,6 +171,7 @@ class FSDPUnit:
                     compute_dtype=self.precision.param_dtype,
                     compute_device=self.device,
                     alias=alias,
+                    layout=layout,
                 )
             )
             offset += numel
@@ -172,6 +186,10 @@ class FSDPUnit:
         # All-gather output waiting for its copy-out (CUDA: until ``wait_for_unshard``).
         self._gathered: torch.Tensor | None = None  # 1D, shard_world * flat shard numel
         self._gathered_event: torch.cuda.Event | None = None
+        self._reason: events.UnshardReason = "explicit"  # of the pending unshard
+        # Set by the door for ``reshard_after_forward=N``; see [Note: reshard after forward to
+        # a smaller world] in ``_post_forward``.
+        self.post_forward: PostForwardShards | None = None
         for p in self.params:
             p.expose_sharded()
 
@@ -187,13 +205,14 @@ class FSDPUnit:
         if not self._aliased:
             streams = self.streams
             op = _GATHER_OPS[reason]
+            self._reason = reason
             if streams is None:
-                self._gathered = self._gather(self.precision.param_dtype, op)
+                self._gathered = self._gather_for_unshard(op)
                 self._copy_out()
             else:
                 streams.before_all_gather()
                 with torch.cuda.stream(streams.all_gather):
-                    self._gathered = self._gather(self.precision.param_dtype, op)
+                    self._gathered = self._gather_for_unshard(op)
                     self._gathered_event = streams.all_gather.record_event()
         for p in self.params:
             p.to_unsharded()
@@ -218,8 +237,26 @@ class FSDPUnit:
         self._copy_out()
         streams.record_copy_out()
 
+    def _gather_for_unshard(self, op: TagOp) -> torch.Tensor:
+        """The all-gather output to copy out: from the blocks kept after forward, if any."""
+        post_forward = self.post_forward
+        if post_forward is not None and post_forward.blocks is not None:
+            return post_forward.regather(unit=self.name)
+        return self._gather(self.precision.param_dtype, op)
+
+    def drop_post_forward(self) -> None:
+        """Forget the blocks kept after forward (their backward did not run)."""
+        if self.post_forward is not None:
+            self.post_forward.drop()
+
     def reshard(self, reason: events.ReshardReason = "explicit") -> None:
-        """Free the unsharded parameters; the module sees the local shards again."""
+        """Free the unsharded parameters; the module sees the local shards again.
+
+        After forward (``reason="forward"``) the blocks of ``post_forward``, if set, stay for
+        the backward all-gather inside the smaller group; any other reshard drops them.
+        """
+        if reason != "forward":
+            self.drop_post_forward()
         if not self.is_unsharded:
             return
         # A prefetch that was never waited on: its output was only used on the gather stream.
@@ -237,15 +274,17 @@ class FSDPUnit:
                 )
             )
 
-    def post_backward(self, *, reduce: bool = True) -> None:
+    def post_backward(self, *, reduce: bool = True, reshard: bool = True) -> None:
         """Reshard, then reduce this backward's gradients into the sharded ``.grad``s.
 
         Gradients are averaged over the group (see [Note: gradient averaging]) and added to any
         gradient already on the sharded parameter, so several backwards accumulate. With
         ``reduce=False`` (inside ``no_sync``) the unsharded gradients are kept and keep
-        accumulating until a backward that reduces.
+        accumulating until a backward that reduces. With ``reshard=False`` the unsharded
+        parameters stay (``set_reshard_after_backward(False)``).
         """
-        self.reshard("backward")
+        if reshard:
+            self.reshard("backward")
         if not reduce:
             return
         grads = [p.unsharded.grad for p in self._grad_params]
@@ -279,7 +318,9 @@ class FSDPUnit:
         slots = _order_check.GATHER_TAG_NUMEL if tags is not None else 0
         numel = self._flat_shard.numel()
         if self.offload_params:
-            send = self._copy_to_device(self._flat_shard, extra=slots)
+            send = _offload.copy_to_device(
+                self._flat_shard, self.device, self.streams, unit=self.name, extra=slots
+            )
         else:
             send = self._flat_send[: numel + slots]
         if send.dtype != dtype:
@@ -300,6 +341,9 @@ class FSDPUnit:
         gathered = self._gathered
         if gathered is None:
             raise AssertionError(f"[rank {dist.get_rank()}] {self.name}: nothing gathered")
+        post_forward = self.post_forward
+        if post_forward is not None and self._reason in ("forward", "forward_prefetch"):
+            post_forward.keep(gathered)
         blocks = gathered.view(self._shard_world, -1)
         offset = 0
         for p in self.params:
@@ -360,57 +404,11 @@ class FSDPUnit:
     def _store_grads(self, reduced: torch.Tensor) -> None:
         grad = reduced.to(self.precision.grad_dtype)
         if self.offload_params:
-            grad = self._copy_to_host(grad)
+            grad = _offload.copy_to_host(
+                grad, self.device, self.streams, unit=self.name, pin=self._pin
+            )
         for p, offset in zip(self._grad_params, self._grad_offsets, strict=True):
             p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
-
-    # ------------------------------------------------------------------ offload copies
-    def _copy_to_device(self, host: torch.Tensor, *, extra: int = 0) -> torch.Tensor:
-        """A copy of 1D ``host`` on the compute device (made even if that is the CPU).
-
-        The copy is followed by ``extra`` uninitialized elements (default none).
-        """
-        # Allocated on the calling stream (the all-gather stream on CUDA), which reuses it.
-        buffer = torch.empty(host.numel() + extra, dtype=host.dtype, device=self.device)
-        device_copy = buffer[: host.numel()]
-        streams = self.streams
-        if streams is None:
-            device_copy.copy_(host)
-        else:
-            current = torch.cuda.current_stream(self.device)
-            streams.offload.wait_stream(current)  # the block may be in use on ``current``
-            with torch.cuda.stream(streams.offload):
-                device_copy.copy_(host, non_blocking=True)
-            current.wait_stream(streams.offload)
-        self._publish_offload("to_device", device_copy)
-        return buffer
-
-    def _copy_to_host(self, grad: torch.Tensor) -> torch.Tensor:
-        """A CPU copy of the reduced gradient shard ``grad``, complete when this returns."""
-        host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=self._pin)
-        streams = self.streams
-        if streams is None:
-            host.copy_(grad)
-        else:
-            streams.offload.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(streams.offload):
-                host.copy_(grad, non_blocking=True)
-                landed = streams.offload.record_event()
-            # The CPU accumulates into ``sharded.grad`` next and ``grad`` may be freed: wait.
-            landed.synchronize()
-        self._publish_offload("to_host", host)
-        return host
-
-    def _publish_offload(self, direction: events.OffloadDirection, copy: torch.Tensor) -> None:
-        if events.has_subscribers():
-            events.publish(
-                events.OffloadCopy(
-                    unit=self.name,
-                    direction=direction,
-                    bytes=copy.numel() * copy.element_size(),
-                    rank=dist.get_rank(),
-                )
-            )
 
     # ------------------------------------------------------------------ full parameters
     def gather_full_params(self) -> list[torch.Tensor]:
@@ -427,43 +425,46 @@ class FSDPUnit:
             offset += p.shard_numel
         return full
 
-    def gather_full_grads(self) -> list[torch.Tensor | None]:
-        """Full gradients of every parameter (``None`` where no rank has one).
-
-        One all-reduce of a has-gradient mask and one all-gather of the padded gradient shards
-        in the original dtype.
-        """
-        rows = [p.sharded_grad_rows() for p in self.params]
-        flat = torch.zeros(self._flat_shard.numel(), dtype=self.dtype, device=self.device)
-        has_grad = torch.tensor([g is not None for g in rows], dtype=torch.int32)
-        offset = 0
-        for p, grad in zip(self.params, rows, strict=True):
-            if grad is not None:
-                flat[offset : offset + p.shard_numel].copy_(grad.reshape(-1))
-            offset += p.shard_numel
-        if self.replicate:
-            gathered = flat
-        else:
-            has_grad = has_grad.to(self.device)
-            dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.group)
-            gathered = torch.empty(
-                self.group_size * flat.numel(), dtype=self.dtype, device=self.device
-            )
-            _collectives.all_gather_flat(gathered, flat, self.group, unit=self.name)
-        blocks = gathered.view(self._shard_world, -1)
-        full: list[torch.Tensor | None] = []
-        offset = 0
-        for p, present in zip(self.params, has_grad.tolist(), strict=True):
-            block = blocks[:, offset : offset + p.shard_numel]
-            full.append(p.full_from_gathered(block) if present else None)
-            offset += p.shard_numel
-        return full
-
     def expose(self, tensors: Sequence[torch.Tensor]) -> None:
         """Make the module see ``tensors`` (one per parameter) in place of the shards."""
         for p, tensor in zip(self.params, tensors, strict=True):
             for module, name in p.slots:
                 module._parameters[name] = tensor  # type: ignore[assignment]
+
+    def reset_sharded_params(self) -> None:
+        """After ``module.to_empty(...)``/``.to(device)`` replaced the sharded parameters: the
+        flat shard moves to their device with their values; the module sees views into it."""
+        current = [p.current_local() for p in self.params]
+        old = self._flat_send.untyped_storage()
+        if all(c.untyped_storage().data_ptr() == old.data_ptr() for c in current):
+            return
+        dtypes = sorted({str(c.dtype) for c in current} - {str(self.dtype)})
+        if dtypes:
+            raise NotImplementedError(
+                f"fully_shard: unit {self.name!r} changed dtype to {dtypes} after sharding; "
+                "cast the module with .to(dtype) before fully_shard."
+            )
+        device = current[0].device
+        numel = self._flat_shard.numel()
+        self._flat_send = torch.zeros(
+            numel + _order_check.GATHER_TAG_NUMEL,
+            dtype=self.dtype,
+            device=device,
+            pin_memory=self._pin and device.type == "cpu",
+        )
+        self._flat_shard = self._flat_send[:numel]
+        offset = 0
+        for p, local in zip(self.params, current, strict=True):
+            p.rebind(self._flat_shard[offset : offset + p.shard_numel], local)
+            offset += p.shard_numel
+
+    @property
+    def shard_world(self) -> int:  # ranks the parameters are sharded over (1: replicated)
+        return self._shard_world
+
+    @property
+    def flat_shard_numel(self) -> int:  # of this rank's padded flat shard
+        return self._flat_shard.numel()
 
     def use_sharded_params(self) -> None:
         for p in self.params:

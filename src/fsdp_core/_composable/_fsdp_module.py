@@ -1,0 +1,300 @@
+"""``FSDPModule``: the methods a ``fully_shard``-ed module gains, its forward hooks, and torch
+FSDP2's helpers around them (``UnshardHandle``, ``register_fsdp_forward_method``,
+``share_comm_ctx``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._post_forward import PostForwardShards, post_forward_group
+from .._runtime import FSDPState, state_of, states_in
+from .._unit import FSDPUnit
+
+__all__ = [
+    "FSDPModule",
+    "ForwardHooks",
+    "UnshardHandle",
+    "load_full_tensors_hook",
+    "register_fsdp_forward_method",
+    "resolve_reshard_after_forward",
+    "share_comm_ctx",
+]
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` makes the unsharded
+    parameters usable on the current stream (on the CPU the gather is already complete)."""
+
+    def __init__(self, unit: FSDPUnit | None = None) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        """Wait for the all-gather and copy the parameters out (once)."""
+        if self._unit is not None:
+            self._unit.wait_for_unshard()
+            self._unit = None
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to."""
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            raise AssertionError("FSDPModule without an FSDP state")
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's unit now, ahead of its forward.
+
+        Args:
+            async_op: return an :class:`UnshardHandle` to ``wait()`` on instead of waiting
+                (default ``False``).
+        """
+        state = self._get_fsdp_state()
+        unit = state.unit
+        if unit is not None and not unit.is_unsharded:
+            if state.exec_order is not None:
+                state.exec_order.validate(state, "unshard")
+            unit.unshard("explicit")
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters; the module shows its shards again."""
+        unit = self._get_fsdp_state().unit
+        if unit is not None:
+            unit.reshard("explicit")
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce gradients in backward (``True``, the default) or accumulate them unsharded
+        and unreduced until a backward with it on (gradient accumulation without
+        communication).
+
+        Args:
+            requires_gradient_sync: whether to reduce.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        for state in self._states(recurse):
+            state.sync_gradients = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | int, recurse: bool = True
+    ) -> None:
+        """Change ``reshard_after_forward`` (see ``fully_shard``), between steps.
+
+        Args:
+            reshard_after_forward: ``True``, ``False`` or an int dividing the shard world size.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        for state in self._states(recurse):
+            unit = state.unit
+            world = unit.shard_world if unit is not None else 1
+            value = resolve_reshard_after_forward(
+                "set_reshard_after_forward", reshard_after_forward, world
+            )
+            state.config = dataclasses.replace(
+                state.config,
+                reshard_after_forward=value,
+                reshard_root_after_forward=value is not False,
+            )
+            if unit is not None:
+                unit.drop_post_forward()
+                unit.post_forward = (
+                    None
+                    if isinstance(value, bool)
+                    else PostForwardShards(post_forward_group(unit.group, value), world)
+                )
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Free the unsharded parameters after backward (``True``, the default) or keep them
+        (e.g. between micro-batches of gradient accumulation; they are stale once the
+        optimizer steps, so set it back before the last micro-batch).
+
+        Args:
+            reshard_after_backward: whether to free them.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        for state in self._states(recurse):
+            state.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules``' units when this module's forward starts (explicit forward
+        prefetch, from the first iteration on).
+
+        Args:
+            modules: ``FSDPModule``s, in the order to gather them.
+        """
+        self._get_fsdp_state().forward_prefetch_targets = _states_of(
+            "set_modules_to_forward_prefetch", modules
+        )
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules``' units when this module's backward starts (explicit backward
+        prefetch, replacing the automatic one for this module).
+
+        Args:
+            modules: ``FSDPModule``s, in the order to gather them.
+        """
+        self._get_fsdp_state().backward_prefetch_targets = _states_of(
+            "set_modules_to_backward_prefetch", modules
+        )
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        return states_in(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``to_empty``/``to`` replace the sharded parameters: re-adopt them into the unit.
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        unit = self._get_fsdp_state().unit
+        if unit is not None:
+            unit.reset_sharded_params()
+        return result
+
+
+class ForwardHooks:
+    """The forward pre-hook and hook of one unit's modules.
+
+    The unit unshards when the first of its modules starts forward and reshards when every
+    one of them has finished; a module re-entered (a registered forward method calling
+    ``forward``) counts once.
+    """
+
+    def __init__(self, state: FSDPState, modules: list[nn.Module]) -> None:
+        self.state = state
+        self.modules = modules
+        self._remaining: set[int] = set()
+        self._depth: dict[int, int] = {}
+
+    def pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self._remaining:
+            self._remaining = {id(m) for m in self.modules}
+            args, kwargs = self.state.pre_forward(args, kwargs)
+        self._depth[id(module)] = self._depth.get(id(module), 0) + 1
+        return args, kwargs
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        depth = self._depth.get(id(module), 0) - 1
+        self._depth[id(module)] = depth
+        if depth > 0:
+            return output
+        self._remaining.discard(id(module))
+        if self._remaining:
+            if torch.is_grad_enabled():
+                self.state.hook_outputs(output)
+            return output
+        return self.state.post_forward(output)
+
+
+def load_full_tensors_hook(module: nn.Module, unit: FSDPUnit | None) -> Any:
+    """A load-state-dict pre-hook turning full tensors into this rank's ``DTensor`` shards."""
+    by_name: dict[str, Any] = {}
+    if unit is not None:
+        names = {id(m): name for name, m in module.named_modules()}
+        for p in unit.params:
+            for owner, attr in p.slots:
+                if id(owner) in names:
+                    prefix = names[id(owner)]
+                    by_name[f"{prefix}.{attr}" if prefix else attr] = p
+
+    def hook(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for name, p in by_name.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                if tuple(value.shape) != tuple(p.full_shape):
+                    continue  # nn.Module reports the size mismatch
+                state_dict[key] = p.shard_of(value)
+
+    return hook
+
+
+def resolve_reshard_after_forward(api: str, value: object, shard_world: int) -> bool | int:
+    """``value`` as the runtime takes it: None -> True, int 1 -> False, int W -> True."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{api}: reshard_after_forward takes a bool or an int (the group size to reshard "
+            f"to), got {value!r}."
+        )
+    if value < 1 or shard_world % value != 0:
+        divisors = [d for d in range(1, shard_world + 1) if shard_world % d == 0]
+        raise ValueError(
+            f"{api}: reshard_after_forward={value} must divide the shard world size "
+            f"{shard_world}; pass one of {divisors}, or True/False."
+        )
+    if value == 1:
+        return False
+    return True if value == shard_world else value
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run the unit's forward hooks, as ``forward`` does.
+
+    For methods other than ``forward`` that use the parameters (e.g. ``generate``). A no-op
+    when ``module`` is not an ``FSDPModule``.
+
+    Args:
+        module: the module.
+        method_name: the name of the method.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} has no method "
+            f"{method_name!r}; pass the name of one of its methods."
+        )
+    original = getattr(module, method_name)
+    hooks: ForwardHooks = module.__dict__["_fsdp_forward_hooks"]
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = hooks.pre(module, args, kwargs)
+        return hooks.post(module, args, original(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (e.g. pipeline stages) use the first one's CUDA streams.
+
+    Args:
+        modules: root ``FSDPModule``s; call before their first forward. On the CPU there are
+            no streams and this only records the sharing.
+    """
+    states = _states_of("share_comm_ctx", modules)
+    for state in states[1:]:
+        state.share_streams_with = states[0]
+
+
+def _states_of(api: str, modules: Iterable[object]) -> list[FSDPState]:
+    found = []
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{api} takes FSDPModules (modules fully_shard was applied to), got "
+                f"{type(m).__name__}; apply fully_shard to it first."
+            )
+        found.append(m._get_fsdp_state())
+    return found
