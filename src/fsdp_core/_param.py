@@ -41,7 +41,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DTensorLayout", "ParamSpec", "ShardedParam", "ShardedState", "local_tensor"]
+__all__ = [
+    "DTensorLayout",
+    "ParamSpec",
+    "ShardedParam",
+    "ShardedState",
+    "is_sharded_param",
+    "local_tensor",
+]
 
 
 class ShardedState(enum.Enum):
@@ -132,7 +139,9 @@ class ShardedParam:
 
     def _as_parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """``local`` (this rank's rows) as the parameter the module shows between passes."""
-        return nn.Parameter(self._as_sharded_tensor(local), requires_grad=requires_grad)
+        param = nn.Parameter(self._as_sharded_tensor(local), requires_grad=requires_grad)
+        param._fsdp_sharded = True  # type: ignore[attr-defined]  # see is_sharded_param
+        return param
 
     def _as_sharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
         if self.layout is None:
@@ -283,6 +292,11 @@ class ShardedParam:
     @property
     def device(self) -> torch.device:
         return self.sharded.device
+
+
+def is_sharded_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a unit's sharded parameter (so a unit already owns it)."""
+    return getattr(param, "_fsdp_sharded", False) is True
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

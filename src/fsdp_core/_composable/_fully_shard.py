@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _init
-from .._param import DTensorLayout
+from .._param import DTensorLayout, ParamSpec, is_sharded_param
 from .._post_forward import PostForwardShards, post_forward_group
 from .._precision import UnitPrecision
 from .._runtime import FSDPState, RuntimeConfig, state_of
@@ -44,7 +44,7 @@ def fully_shard(
     module: M | list[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | None = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
@@ -66,8 +66,10 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and
             all-gathers them again in backward; ``False`` keeps them; an int ``N`` dividing
             the shard world size keeps a copy sharded over groups of ``N`` ranks so the
-            backward all-gather stays inside them. Default ``None``: ``True``, except for the
-            root, which keeps its parameters (backward needs them first), as FSDP2 does.
+            backward all-gather stays inside them. Default ``True``; the root keeps its
+            parameters when left at the default (backward needs them first), as FSDP2 does
+            (``None``, torch 2.13's default, means the same; ``root.set_reshard_after_forward``
+            overrides it).
         mp_policy: a ``MixedPrecisionPolicy`` (default: full precision).
         offload_policy: ``OffloadPolicy()`` (default, none) or ``CPUOffloadPolicy()``.
         ignored_params: parameters to leave unsharded and unreduced (default ``None``).
@@ -94,6 +96,7 @@ def fully_shard(
                 seen.add(id(spec.param))
                 specs.append(spec)
     _init.validate_no_scalars("fully_shard", specs)
+    _validate_bottom_up(modules, specs)
     from torch.distributed.tensor import Shard
 
     compute_device = _compute_device(mesh)
@@ -120,8 +123,13 @@ def fully_shard(
     param_dtype = mp_policy.param_dtype
     config = RuntimeConfig(
         reshard_after_forward=rsf,
-        # An explicit value applies to the root too (FSDP2's rule); None keeps the root's.
-        reshard_root_after_forward=reshard_after_forward is not None and rsf is not False,
+        # The default (True, or None as in torch 2.13) leaves the root's parameters gathered
+        # after forward; an int applies to the root too.
+        reshard_root_after_forward=(
+            reshard_after_forward is not None
+            and reshard_after_forward is not True
+            and rsf is not False
+        ),
         limit_all_gathers=True,
         input_dtype=param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
@@ -164,6 +172,18 @@ def _validate_modules(module: object) -> list[nn.Module]:
                 "instead of wrapping them."
             )
     return modules
+
+
+def _validate_bottom_up(modules: list[nn.Module], specs: list[ParamSpec]) -> None:
+    """A parameter already sharded by a unit means an enclosing module was sharded first."""
+    taken = [s.fqn for s in specs if is_sharded_param(s.param)]
+    if taken:
+        names = ", ".join(type(m).__name__ for m in modules)
+        raise ValueError(
+            f"fully_shard({names}) was applied top-down: its parameters {taken} are already "
+            "sharded by fully_shard on an enclosing module, so they would belong to two units. "
+            "Apply fully_shard bottom-up: submodules first, then their parents, then the root."
+        )
 
 
 def _resolve_mesh(
