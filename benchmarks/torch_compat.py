@@ -14,9 +14,17 @@ wheel, get them from the torch source tree or repository at that release's tag),
 and prints, per file and harness: passed, failed, skipped (with the reasons, most frequent
 first), collection errors and wall time. ``--json PATH`` writes the same as JSON.
 
+``--bare FILE::CLASS::METHOD`` tells a harness failure from a body's own: it runs one method of
+the original (unported) file on ``--world-size`` CPU processes that share a plain gloo group, with
+no test harness around it (no pytest, no rank pool, none of torch's spawning). The only change is
+that torch's GPU-count gate ``skip_if_lt_x_gpu`` gets its own ``allow_cpu=True``, so the body
+runs. Each rank prints PASSED, SKIPPED or FAILED with the error; the exit status is 1 when a rank
+failed.
+
 Usage:
     python benchmarks/torch_compat.py DIRECTORY [--harness ours|torch|both]
         [--engine NAME] [--timeout SECONDS] [--cpu-world-size N] [-k EXPR] [--json PATH]
+    python benchmarks/torch_compat.py --bare FILE::CLASS::METHOD [--world-size N]
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -32,6 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import unittest
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -148,9 +160,93 @@ def run_file(
     return result
 
 
+def _allow_cpu_in_gpu_gates() -> None:
+    """Give torch's ``skip_if_lt_x_gpu`` its ``allow_cpu=True`` in every harness module that
+    exports it, before the test file imports the name."""
+    # The harness modules that re-export the gate are imported first, so each copy is replaced.
+    for name in ("common_fsdp", "distributed._tensor.common_dtensor"):
+        importlib.import_module(f"torch.testing._internal.{name}")
+    common_distributed = importlib.import_module("torch.testing._internal.common_distributed")
+    gate = common_distributed.skip_if_lt_x_gpu
+    cpu_gate = functools.partial(gate, allow_cpu=True)
+    for name, module in list(sys.modules.items()):
+        if (
+            name.startswith("torch.testing._internal")
+            and getattr(module, "skip_if_lt_x_gpu", None) is gate
+        ):
+            module.skip_if_lt_x_gpu = cpu_gate  # type: ignore[attr-defined]
+
+
+def _bare_rank(
+    rank: int, path: str, class_name: str, method: str, world_size: int, port: int, out: str
+) -> None:
+    """One rank of a bare run: join a gloo group, build the test case, call the method."""
+    import torch.distributed as dist
+
+    _allow_cpu_in_gpu_gates()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        spec = importlib.util.spec_from_file_location(f"bare_{Path(path).stem}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cls = getattr(module, class_name)
+        # The world is the one asked for, whatever the class computes from GPU counts.
+        sized = type(cls.__name__, (cls,), {"world_size": property(lambda self: world_size)})
+        case = sized(method)
+        case.rank = rank
+        getattr(case, method)()
+        outcome, detail = "PASSED", ""
+    except unittest.SkipTest as exc:
+        outcome, detail = "SKIPPED", str(exc)
+    except SystemExit as exc:
+        # torch's rank-side skips exit with a code from TEST_SKIPS; any other code is a failure
+        skips = importlib.import_module("torch.testing._internal.common_distributed").TEST_SKIPS
+        messages = {skip.exit_code: skip.message for skip in skips.values()}
+        if exc.code in messages:
+            outcome, detail = "SKIPPED", messages[exc.code]
+        else:
+            outcome, detail = "FAILED", f"the body called sys.exit({exc.code})"
+    except Exception as exc:  # the body's own failure, reported with its traceback
+        outcome = "FAILED"
+        detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"outcome": outcome, "detail": detail}))
+
+
+def run_bare(target: str, world_size: int) -> int:
+    """Run FILE::CLASS::METHOD on ``world_size`` bare gloo processes; 1 if any rank failed."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    path, class_name, method = target.split("::")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="torch-bare-") as out:
+        mp.spawn(
+            _bare_rank,
+            args=(str(Path(path).resolve()), class_name, method, world_size, port, out),
+            nprocs=world_size,
+        )
+        failed = False
+        for rank in range(world_size):
+            result = json.loads(Path(out, f"rank{rank}.json").read_text())
+            failed |= result["outcome"] == "FAILED"
+            print(f"[rank {rank}] {result['outcome']} {result['detail']}".rstrip(), flush=True)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("directory", type=Path, help="folder of torch test files (recursive)")
+    parser.add_argument(
+        "directory", type=Path, nargs="?", help="folder of torch test files (recursive)"
+    )
     parser.add_argument("--harness", choices=("ours", "torch", "both"), default="both")
     parser.add_argument(
         "--engine",
@@ -162,7 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", default=None, help="pytest -k expression")
     parser.add_argument("--json", type=Path, default=None, help="write results as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="keep the ported files here")
+    parser.add_argument(
+        "--bare",
+        metavar="FILE::CLASS::METHOD",
+        default=None,
+        help="run one method of an original file on bare gloo CPU processes, no harness",
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks of a --bare run")
     args = parser.parse_args(argv)
+    if args.bare is not None:
+        if args.bare.count("::") != 2:
+            parser.error(f"--bare takes FILE::CLASS::METHOD, got {args.bare!r}")
+        return run_bare(args.bare, args.world_size)
+    if args.directory is None:
+        parser.error("give a DIRECTORY of torch test files, or --bare FILE::CLASS::METHOD")
 
     root = args.directory.resolve()
     if not root.is_dir():
