@@ -11,7 +11,7 @@ two modules (tied weights) has several *slots*, one per (module, attribute); it 
 What happens to a parameter that a nested unit owns and the enclosing module also reaches
 differs by door: the wrapper raises (FSDP1 does), ``fully_shard`` moves it up into the
 enclosing unit, the lowest common ancestor of its users (see [Note: shared parameters] in
-``_composable/_init.py``).
+``_composable/_shared.py``).
 """
 
 from __future__ import annotations

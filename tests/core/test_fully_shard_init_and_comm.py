@@ -226,3 +226,60 @@ def test_units_are_the_ones_torch_fsdp2_builds(model_class, rank, process_group)
         units[engine] = sorted(n for n, m in model.named_modules() if isinstance(m, cls))
     assert units["fsdp_core_fully_shard"] == units["torch_fsdp2"]
     assert units["torch_fsdp2"], "the reference model has no units"
+
+
+class _TiedLM(nn.Module):
+    """Embedding -> Linear -> output projection whose weight is the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.proj = nn.Linear(6, 11, bias=False)
+        self.proj.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_weight_tied_across_units_moves_to_their_ancestor_and_trains_like_ddp(
+    rank, process_group
+):
+    """embed and proj share one weight, each in its own unit: the weight leaves embed's unit
+    for the root's (their lowest common ancestor), both see the same DTensor, and training
+    equals DDP bitwise. torch's FSDP2 raises on this model."""
+    mesh = _mesh(process_group)
+
+    def shard(model: nn.Module) -> nn.Module:
+        for child in (model.embed, model.hidden, model.proj):
+            fully_shard(child, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    plain = _TiedLM()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(plain), process_group=process_group)
+    model = shard(plain)
+    names = {id(m): n for n, m in model.named_modules()}
+    units = {
+        names[id(s.owner)]: [p.fqn for p in s.unit.params] if s.unit else []
+        for s in states_in(model)
+    }
+    assert units == {"": ["embed.weight"], "embed": [], "hidden": ["weight", "bias"], "proj": []}
+    assert model.embed.weight is model.proj.weight
+    assert isinstance(model.embed.weight, DTensor)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in _TiedLM().named_parameters()]
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank + step))
+        for net, optim in ((ddp, ddp_opt), (model, opt)):
+            loss = net(tokens).logsumexp(-1).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+    for (name, p), (_, q) in zip(
+        ddp.module.named_parameters(), model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(q.full_tensor(), p, rtol=0, atol=0, msg=name)
+    assert model.embed.weight is model.proj.weight

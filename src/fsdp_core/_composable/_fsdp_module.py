@@ -201,21 +201,26 @@ class ForwardHooks:
         return self.state.post_forward(output)
 
 
-def load_full_tensors_hook(module: nn.Module, unit: FSDPUnit | None) -> Any:
-    """A load-state-dict pre-hook turning full tensors into this rank's ``DTensor`` shards."""
-    by_name: dict[str, Any] = {}
-    if unit is not None:
+def load_full_tensors_hook(module: nn.Module, state: FSDPState) -> Any:
+    """A load-state-dict pre-hook turning full tensors into this rank's ``DTensor`` shards
+    (of ``state``'s unit at load time: a shared parameter may have moved out of it)."""
+
+    def by_name() -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        if state.unit is None:
+            return found
         names = {id(m): name for name, m in module.named_modules()}
-        for p in unit.params:
+        for p in state.unit.params:
             for owner, attr in p.slots:
                 if id(owner) in names:
                     prefix = names[id(owner)]
-                    by_name[f"{prefix}.{attr}" if prefix else attr] = p
+                    found[f"{prefix}.{attr}" if prefix else attr] = p
+        return found
 
     def hook(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         from torch.distributed.tensor import DTensor
 
-        for name, p in by_name.items():
+        for name, p in by_name().items():
             key = prefix + name
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):

@@ -32,6 +32,7 @@ from ._fsdp_module import (
     load_full_tensors_hook,
     resolve_reshard_after_forward,
 )
+from ._shared import mark_taken, move_shared_params, taken
 
 __all__ = ["fully_shard"]
 
@@ -97,19 +98,21 @@ def fully_shard(
                 specs.append(spec)
     _init.validate_no_scalars("fully_shard", specs)
     _validate_bottom_up(modules, specs)
+    # See [Note: shared parameters] in ``_shared``.
+    specs = [s for s in specs if not taken(s.param)] + move_shared_params(modules)
     from torch.distributed.tensor import Shard
 
     compute_device = _compute_device(mesh)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    unit = None
-    if specs:
+
+    def make_unit(unit_specs: list[ParamSpec]) -> FSDPUnit:
         precision = UnitPrecision.resolve(
             MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
-            specs[0].param.dtype,
+            unit_specs[0].param.dtype,
         )
-        unit = FSDPUnit(
+        made = FSDPUnit(
             modules[0],
-            specs,
+            unit_specs,
             group,
             replicate=False,
             precision=precision,
@@ -119,7 +122,11 @@ def fully_shard(
             pin_memory=offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
         )
         if not isinstance(rsf, bool):
-            unit.post_forward = PostForwardShards(post_forward_group(group, rsf), world)
+            made.post_forward = PostForwardShards(post_forward_group(group, rsf), world)
+        mark_taken(unit_specs, made)
+        return made
+
+    unit = make_unit(specs) if specs else None
     param_dtype = mp_policy.param_dtype
     config = RuntimeConfig(
         reshard_after_forward=rsf,
@@ -142,7 +149,8 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
         m.register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(hooks.post)
-        m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, unit))
+        m.__dict__["_fsdp_make_unit"] = make_unit
+        m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, state))
     return module
 
 
