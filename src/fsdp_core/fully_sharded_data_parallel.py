@@ -134,7 +134,7 @@ class FullyShardedDataParallel(nn.Module):
             _wrap.auto_wrap(
                 module,
                 auto_wrap_policy,
-                lambda m: type(self)(m, process_group, **child_kwargs),
+                lambda m, **kw: type(self)(m, process_group, **{**child_kwargs, **kw}),
                 ignored,
             )
         if device_id is not None:

@@ -19,10 +19,12 @@ from torch import nn
 from ._runtime import state_of
 
 __all__ = [
+    "CustomPolicy",
     "ModuleWrapPolicy",
     "WrapPolicy",
     "always_wrap_policy",
     "enable_wrap",
+    "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "wrap",
@@ -73,6 +75,44 @@ def transformer_auto_wrap_policy(
     return recurse or isinstance(module, tuple(transformer_layer_cls))
 
 
+def lambda_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    lambda_fn: Callable[[nn.Module], bool],
+) -> bool:
+    """Wrap each module for which ``lambda_fn(module)`` is true (bind it with
+    ``functools.partial``); every module is looked inside."""
+    return recurse or bool(lambda_fn(module))
+
+
+class CustomPolicy:
+    """Wrap each module for which ``lambda_fn(module)`` is true or a dict; a dict's entries
+    override the wrapper's constructor arguments for that module (torch's meaning).
+
+    Args:
+        lambda_fn: ``module -> bool | dict[str, Any]``.
+    """
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
+        if not callable(lambda_fn):
+            raise TypeError(
+                f"CustomPolicy(lambda_fn) takes a callable module -> bool | dict, got "
+                f"{lambda_fn!r}; e.g. CustomPolicy(lambda m: isinstance(m, nn.Linear))."
+            )
+        self._lambda_fn = lambda_fn
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or self.overrides(module) is not None
+
+    def overrides(self, module: nn.Module) -> dict[str, Any] | None:
+        """The constructor arguments for ``module``'s wrapper (None: do not wrap it)."""
+        result = self._lambda_fn(module)
+        if isinstance(result, dict):
+            return result
+        return {} if result else None
+
+
 class ModuleWrapPolicy:
     """Wrap every instance of the given module classes.
 
@@ -100,7 +140,7 @@ class ModuleWrapPolicy:
 def auto_wrap(
     module: nn.Module,
     policy: WrapPolicy,
-    wrap_fn: Callable[[nn.Module], nn.Module],
+    wrap_fn: Callable[..., nn.Module],
     ignored_modules: set[nn.Module],
 ) -> None:
     """Wrap ``module``'s descendants bottom-up as ``policy`` says (``module`` itself is not)."""
@@ -120,7 +160,7 @@ def _numel(module: nn.Module, ignored_params: set[int]) -> int:
 def _wrap_children(
     module: nn.Module,
     policy: WrapPolicy,
-    wrap_fn: Callable[[nn.Module], nn.Module],
+    wrap_fn: Callable[..., nn.Module],
     ignored_modules: set[nn.Module],
     ignored_params: set[int],
 ) -> int:
@@ -134,7 +174,8 @@ def _wrap_children(
             continue
         inner = _wrap_children(child, policy, wrap_fn, ignored_modules, ignored_params)
         if policy(module=child, recurse=False, nonwrapped_numel=total - inner):
-            setattr(module, name, wrap_fn(child))
+            overrides = policy.overrides(child) if isinstance(policy, CustomPolicy) else None
+            setattr(module, name, wrap_fn(child, **(overrides or {})))
             taken += total
         else:
             taken += inner
