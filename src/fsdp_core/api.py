@@ -28,9 +28,11 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = enum.auto()
     """Replicate parameters (like DDP); all-reduce gradients once per unit."""
     HYBRID_SHARD = enum.auto()
-    """FULL_SHARD within a node, replicate across nodes (arrives in a later issue)."""
+    """FULL_SHARD within a node, replicate across nodes (not implemented yet: the wrapper raises
+    NotImplementedError naming it)."""
     _HYBRID_SHARD_ZERO2 = enum.auto()
-    """SHARD_GRAD_OP within a node, replicate across nodes (arrives in a later issue)."""
+    """SHARD_GRAD_OP within a node, replicate across nodes (not implemented yet: the wrapper
+    raises NotImplementedError naming it)."""
 
 
 class BackwardPrefetch(enum.Enum):
@@ -89,9 +91,10 @@ class CPUOffload:
 class MixedPrecision:
     """Dtypes for compute, gradient reduction and buffers.
 
-    The rule (SPEC section 3): if ``param_dtype`` is set and ``reduce_dtype`` is not, gradients
-    are reduced in ``param_dtype``. A dtype equal to the parameters' own dtype is a no-op, so
-    ``MixedPrecision(param_dtype=torch.float32)`` on an fp32 model changes nothing.
+    The rule (docs/core.md, "Mixed precision"): if ``param_dtype`` is set and ``reduce_dtype``
+    is not, gradients are reduced in ``param_dtype``. A dtype equal to the parameters' own dtype
+    is a no-op, so ``MixedPrecision(param_dtype=torch.float32)`` on an fp32 model changes
+    nothing.
 
     Args:
         param_dtype: dtype of the unsharded parameters used in forward/backward (default

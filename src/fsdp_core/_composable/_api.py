@@ -13,9 +13,9 @@ __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "
 class MixedPrecisionPolicy:
     """Dtypes for compute, gradient reduction and outputs (torch FSDP2's policy).
 
-    The rule (SPEC section 3): if ``param_dtype`` is set and ``reduce_dtype`` is not, gradients
-    are reduced in ``param_dtype``. Sharded parameters, gradients and optimizer state keep the
-    original dtype.
+    The rule (docs/core.md, "Mixed precision"): if ``param_dtype`` is set and ``reduce_dtype``
+    is not, gradients are reduced in ``param_dtype``. Sharded parameters, gradients and
+    optimizer state keep the original dtype.
 
     Args:
         param_dtype: dtype of the unsharded parameters in forward/backward; the all-gather
