@@ -216,7 +216,6 @@ def test_swapped_reductions_fail_in_that_iteration(rank, process_group, strategy
     assert messages[0] == messages[1]
 
 
-@pytest.mark.no_dist_pool  # new groups: see test_subgroup
 @pytest.mark.distributed(world_size=4)
 def test_divergence_inside_a_subgroup_names_global_ranks(rank, process_group):
     """Groups [0, 2] and [1, 3] shard separately; rank 3 swaps in iteration 3. Ranks 1 and 3

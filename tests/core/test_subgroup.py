@@ -16,10 +16,6 @@ from fsdp_core import ShardingStrategy
 from ._models import build, wrap_model
 from ._parity import assert_same, assert_same_losses, full_params, reference, train
 
-# Fresh rank processes for every test: a warm rank restores torch's group counter after a test,
-# so groups created by a later test would reuse the earlier groups' names (and rendezvous keys).
-pytestmark = pytest.mark.no_dist_pool
-
 # Each split lists both groups; every rank calls new_group for each, in the same order.
 SPLITS = {"[2,3]": ([0, 1], [2, 3]), "[1,3]": ([0, 2], [1, 3])}
 KINDS = ["nested", "transformer"]

@@ -1,4 +1,4 @@
-"""torch-compatible unittest classes (issue 4): one class mixing passing, failing, skipping and
+"""torch-compatible unittest classes: one class mixing passing, failing, skipping and
 subtest-failing methods, run under pytest and under ``python -m unittest``."""
 
 from __future__ import annotations
