@@ -182,12 +182,26 @@ class RecordLog:
 
     def graph_order(self, *, step: int | None = None) -> list[str]:
         """Sharded modules in the order their forward returned, first time each (needs
-        ``model``); ``step`` defaults to the first step with a forward."""
+        ``model``); ``step`` defaults to the first step with a forward. Where no module forward
+        ran (a graph-mode step runs one traced graph instead), the order in which the units
+        were first unsharded for forward."""
         forwards = self.select(ForwardRecord)
+        if not forwards:
+            return self._forward_unshard_order(step)
         if step is None and forwards:
             step = forwards[0].step
         order: list[str] = []
         for record in forwards:
+            if record.step == step and record.unit not in order:
+                order.append(record.unit)
+        return order
+
+    def _forward_unshard_order(self, step: int | None) -> list[str]:
+        unshards = self.unshards(("forward", "forward_prefetch"))
+        if step is None and unshards:
+            step = unshards[0].step
+        order: list[str] = []
+        for record in unshards:
             if record.step == step and record.unit not in order:
                 order.append(record.unit)
         return order

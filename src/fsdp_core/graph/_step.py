@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,42 +12,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import events
-from . import _meta
+from ._observed import ObservedRun
 from ._trace import trace_joint_graph
 from ._units import GraphParam, find_units
 
 __all__ = ["TrainStep", "trace_train_step"]
 
 GraphPass = Callable[[torch.fx.GraphModule], torch.fx.GraphModule]
-
-
-class _PublishingInterpreter(torch.fx.Interpreter):
-    """Runs the graph node by node and publishes one ``events.Collective`` per collective, so
-    the recorder sees graph mode's collectives in the order the graph issues them."""
-
-    def __init__(self, gm: torch.fx.GraphModule, rank: int) -> None:
-        super().__init__(gm)
-        self.rank = rank
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        result = super().run_node(n)
-        if _meta.is_collective(n):
-            data = self.env[n.args[0]]  # type: ignore[index]
-            gather = _meta.is_all_gather(n)
-            size, _ = _meta.group_of(n)
-            unsharded = result if gather else data
-            events.publish(
-                events.Collective(
-                    op="all_gather_into_tensor" if gather else "reduce_scatter_tensor",
-                    bytes=unsharded.numel() * unsharded.element_size(),
-                    shapes=(tuple(result.shape), tuple(data.shape)),
-                    dtype=str(data.dtype).removeprefix("torch."),
-                    group_size=size,
-                    unit=n.meta.get(_meta.UNIT, ""),
-                    rank=self.rank,
-                )
-            )
-        return result
 
 
 class TrainStep:
@@ -71,6 +41,11 @@ class TrainStep:
         self.passes = passes
         self._params = tuple(params)
         self._batch_specs = tuple((tuple(t.shape), t.dtype) for t in example_batch)
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        for param in self._params:
+            group = param.param.device_mesh.get_group()
+            self._groups[group.group_name] = group
+        self._unit_params: dict[str, int] = {}
 
     def with_passes(self, *passes: GraphPass) -> TrainStep:
         """A new ``TrainStep`` over ``gm`` transformed by ``passes`` in order (this one is
@@ -87,6 +62,7 @@ class TrainStep:
             names.append(getattr(graph_pass, "__name__", None) or repr(graph_pass))
         step = TrainStep(gm, self._params, [], tuple(names))
         step._batch_specs = self._batch_specs
+        step._unit_params = self._unit_params
         return step
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
@@ -97,9 +73,8 @@ class TrainStep:
                 f"{specs}; the graph has static shapes: trace again for another batch shape"
             )
         shards = [p.param.to_local() for p in self._params]
-        if events.has_subscribers():
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            outputs = _PublishingInterpreter(self.gm, rank).run(*shards, *batch)
+        if events.has_subscribers():  # See [Note: observed graph runs].
+            outputs = ObservedRun(self.gm, self._groups, self._unit_params).run(*shards, *batch)
         else:
             outputs = self.gm(*shards, *batch)
         loss, grads = outputs[0], outputs[1:]
@@ -164,7 +139,9 @@ def trace_train_step(
         )
     units = find_units("trace_train_step", model)
     gm, params = trace_joint_graph(model, units, loss_fn, example_batch)
-    return TrainStep(gm, params, example_batch)
+    step = TrainStep(gm, params, example_batch)
+    step._unit_params = {unit.fqn: len(unit.params) for unit in units}
+    return step
 
 
 def apply_passes(gm: torch.fx.GraphModule, passes: Sequence[GraphPass]) -> torch.fx.GraphModule:

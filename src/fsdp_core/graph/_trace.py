@@ -7,8 +7,9 @@ hooks off and installs its own: a forward pre-hook on each unit module gathers t
 ``Shard(0)`` local shards with one functional all-gather (copy-in: each shard padded to
 ``ceil(rows / world)`` rows and flattened; copy-out: each rank's block split per parameter and
 cut back to the full rows) and puts the full tensors in the module in place of the DTensors;
-a gradient hook on each gathered parameter reduce-scatters the unit's gradients (averaged) as
-soon as the last one arrives, mirroring the copy-in. ``make_fx`` records all of it, with
+a gradient hook on each gathered parameter reduce-scatters the unit's gradients as soon as the
+last one arrives, mirroring the copy-in (divided by the group size, then summed, as eager
+``fully_shard`` averages). ``make_fx`` records all of it, with
 ``torch.autograd.grad`` for the backward, as one graph over the local shards and the batch,
 returning the loss and each parameter's gradient shard. Tracing runs on fake tensors: no data
 moves, every rank traces its own graph (shard shapes differ), and control flow that depends on
@@ -121,8 +122,10 @@ class _Tracer:
                 grad = F.pad(grad, [0, 0] * (grad.dim() - 1) + [0, pad])
             blocks.append(grad.reshape(world, -1))
             widths.append(blocks[-1].shape[1])
-        flat = torch.cat(blocks, dim=1).reshape(-1)
-        reduced = _OPS.wait_tensor(_OPS.reduce_scatter_tensor(flat, "avg", world, name))
+        # Pre-divided, then summed: eager fully_shard's arithmetic (see [Note: gradient
+        # averaging] in fsdp_core/_collectives.py), so gradients match it bitwise at any size.
+        flat = torch.cat(blocks, dim=1).reshape(-1) / world
+        reduced = _OPS.wait_tensor(_OPS.reduce_scatter_tensor(flat, "sum", world, name))
         self.reduce_order.append(unit.fqn)
         self.reduced.append((unit, params, widths, reduced))
 

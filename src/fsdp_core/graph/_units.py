@@ -1,5 +1,11 @@
 """The units of a ``fully_shard`` model as graph mode sees them: which module gathers which
-``Shard(0)`` parameters over which process group, in registration order."""
+``Shard(0)`` parameters over which process group, in registration order.
+
+Both composable doors give such a model: fsdp_core's ``fully_shard`` (the one graph mode is
+for) and torch's FSDP2 ``fully_shard`` (accepted too: its parameters are ``Shard(0)``
+``DTensor``s as well, and graph mode reads nothing else of it). Of fsdp_core's units graph mode
+also reads the policies, to refuse those it does not trace (mixed precision, CPU offload).
+"""
 
 from __future__ import annotations
 
@@ -34,13 +40,31 @@ class GraphUnit:
 
 
 def _is_fully_sharded(module: nn.Module) -> bool:
-    import fsdp_core  # the door's class, looked up lazily: graph mode is an optional layer
+    from .._composable import FSDPModule
 
-    classes: list[type] = [torch.distributed.fsdp.FSDPModule]
-    door = getattr(fsdp_core, "FSDPModule", None)
-    if isinstance(door, type):
-        classes.append(door)
-    return isinstance(module, tuple(classes))
+    return isinstance(module, (FSDPModule, torch.distributed.fsdp.FSDPModule))
+
+
+def _validate_policies(api: str, modules: dict[str, nn.Module]) -> None:
+    """fsdp_core units whose policies graph mode does not trace raise, naming them."""
+    from .._runtime import state_of
+
+    unsupported = []
+    for name, module in modules.items():
+        state = state_of(module)
+        unit = state.unit if state is not None else None
+        if unit is None:
+            continue
+        if unit.precision.casts_params or unit.precision.reduce_dtype != unit.precision.orig_dtype:
+            unsupported.append(f"{name or '<root>'} (mp_policy)")
+        if unit.offload_params:
+            unsupported.append(f"{name or '<root>'} (offload_policy)")
+    if unsupported:
+        raise NotImplementedError(
+            f"{api} does not trace mixed precision or CPU offload yet; units {unsupported} use "
+            "them. Shard those modules with fully_shard's default MixedPrecisionPolicy() and "
+            "OffloadPolicy(), or train this model in eager mode."
+        )
 
 
 def find_units(api: str, model: nn.Module) -> list[GraphUnit]:
@@ -54,6 +78,7 @@ def find_units(api: str, model: nn.Module) -> list[GraphUnit]:
             f"{sorted(modules) or 'none'}). Call fully_shard(block) on each block, then "
             "fully_shard(model) on the root, before tracing."
         )
+    _validate_policies(api, modules)
     owned: dict[str, list[GraphParam]] = {name: [] for name in modules}
     plain: list[str] = []
     for module_name, module in model.named_modules(remove_duplicate=False):

@@ -1,9 +1,6 @@
-"""trace_train_step on fully-sharded reference models at world size 2 (gloo): losses and
-sharded gradients equal eager fully_shard bitwise with no pass, each pass alone and all passes.
-
-Until fsdp_core's own ``fully_shard`` door exists these tests shard with torch's FSDP2
-``fully_shard`` (``Shard(0)`` DTensor parameters, units per call), which graph mode accepts too.
-"""
+"""trace_train_step on reference models sharded by fsdp_core's ``fully_shard`` at world size 2
+(gloo): losses and sharded gradients equal eager ``fully_shard`` bitwise with no pass, each pass
+alone and all passes; a model sharded by torch's FSDP2 traces to the same step."""
 
 from __future__ import annotations
 
@@ -14,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
+from fsdp_core import MixedPrecisionPolicy, events, fully_shard
 from fsdp_core.graph import _meta, peak_memory, trace_train_step
 from fsdp_core.graph.passes import (
     bucket_all_gathers,
@@ -41,9 +39,12 @@ PASSES: dict[str, tuple] = {
 }
 
 
-def _mlp_stack(mesh: DeviceMesh, rank: int) -> tuple[nn.Module, Callable, tuple]:
+def _mlp_stack(mesh: DeviceMesh, rank: int, shard: Callable = fully_shard) -> tuple:
     torch.manual_seed(0)
-    model = MLPStack(8).parallelize(None, mesh, False)
+    model = MLPStack(8)
+    for block in model:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
     torch.manual_seed(1 + rank)
     return model, lambda m, x: m(x).square().sum(), (torch.randn(4, 8),)
 
@@ -58,6 +59,16 @@ def _transformer(mesh: DeviceMesh, rank: int) -> tuple[nn.Module, Callable, tupl
 
 
 MODELS = {"MLPStack": _mlp_stack, "TransformerWithSharedParams": _transformer}
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(grad, DTensor):
+        raise AssertionError(f"expected a DTensor gradient, got {type(grad).__name__}")
+    return grad.to_local()
+
+
+def _local_grads(model: nn.Module) -> list[torch.Tensor]:
+    return [_local(p.grad).clone() for p in model.parameters()]
 
 
 @pytest.mark.distributed(world_size=2)
@@ -76,12 +87,36 @@ def test_graph_step_equals_eager_fully_shard_bitwise(rank, process_group, model_
         assert torch.equal(loss, expected.detach()), name
         for (fqn, want), have in zip(eager.named_parameters(), traced.parameters(), strict=True):
             assert have.grad is not None, (name, fqn)
-            assert torch.equal(want.grad.to_local(), have.grad.to_local()), (name, fqn)
+            assert torch.equal(_local(want.grad), _local(have.grad)), (name, fqn)
+    # Observed (events subscribed: collectives through torch.distributed, see [Note: observed
+    # graph runs]), the step is the same bitwise.
+    observed = _local_grads(traced)
+    for param in traced.parameters():
+        param.grad = None
+    seen: list[events.Event] = []
+    with events.subscribe(seen.append):
+        loss = step.with_passes(*PASSES["all"])(*batch)
+    assert torch.equal(loss, expected.detach())
+    assert all(torch.equal(a, b) for a, b in zip(observed, _local_grads(traced), strict=True))
+    assert any(isinstance(e, events.Collective) for e in seen)
     # A second step accumulates into .grad, as eager does.
     loss_fn(eager, *batch).backward()
     step(*batch)
     for want, have in zip(eager.parameters(), traced.parameters(), strict=True):
-        assert torch.equal(want.grad.to_local(), have.grad.to_local())
+        assert torch.equal(_local(want.grad), _local(have.grad))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_torch_fsdp2_sharded_model_traces_to_the_same_step(rank, process_group) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = DeviceMesh.from_group(process_group, "cpu")
+    ours, loss_fn, batch = _mlp_stack(mesh, rank)
+    theirs, _, _ = _mlp_stack(mesh, rank, torch_fully_shard)
+    loss = trace_train_step(ours, loss_fn, batch)(*batch)
+    assert torch.equal(trace_train_step(theirs, loss_fn, batch)(*batch), loss)
+    for mine, other in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(_local(mine.grad), _local(other.grad))
 
 
 class _Blocks(nn.Sequential):
@@ -161,4 +196,9 @@ def test_clear_errors_for_what_cannot_be_traced(rank, process_group) -> None:
     ):
         trace_train_step(model, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
     with pytest.raises(TypeError, match=r"example_batch=...\) must be a tuple of tensors"):
-        trace_train_step(model, lambda m, x: m(x).sum(), [torch.randn(2, 4)])  # type: ignore[arg-type]
+        trace_train_step(model, lambda m, x: m(x).sum(), [torch.randn(2, 4)])  # type: ignore[arg-type,unused-ignore]
+    mixed = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(mixed[0], mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(mixed, mesh=mesh)
+    with pytest.raises(NotImplementedError, match=r"mixed precision.*\['0 \(mp_policy\)'\]"):
+        trace_train_step(mixed, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
