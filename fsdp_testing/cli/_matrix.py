@@ -35,7 +35,13 @@ AXES: dict[str, tuple[str, ...]] = {
     "prefetch": ("none", "BACKWARD_PRE", "BACKWARD_POST"),
     "offload": ("off", "on"),
     "mp": ("off", "bf16", "fp16", "bf16/fp32", "fp16/fp32"),
-    "engine": ("fsdp_core", "fsdp_core_fully_shard", "torch_fsdp1", "torch_fsdp2"),
+    "engine": (
+        "fsdp_core",
+        "fsdp_core_fully_shard",
+        "fsdp_core_graph",
+        "torch_fsdp1",
+        "torch_fsdp2",
+    ),
 }
 
 #: The default matrix (180 rows, about a minute on two CPU cores): every model, strategy,

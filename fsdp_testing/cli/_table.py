@@ -25,7 +25,12 @@ _SHORT_KIND = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
 #: Abbreviations of the terminal table, explained in its legend.
 _STRATEGY = {"FULL_SHARD": "FULL", "SHARD_GRAD_OP": "GRAD", "NO_SHARD": "NO"}
 _PREFETCH = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", "none": "none"}
-_ENGINE = {"torch_fsdp1": "fsdp1", "torch_fsdp2": "fsdp2", "fsdp_core_fully_shard": "core-fs"}
+_ENGINE = {
+    "torch_fsdp1": "fsdp1",
+    "torch_fsdp2": "fsdp2",
+    "fsdp_core_fully_shard": "core-fs",
+    "fsdp_core_graph": "core-graph",
+}
 _LEGEND = (
     "shard FULL/GRAD/NO: FULL_SHARD/SHARD_GRAD_OP/NO_SHARD · pf: backward prefetch (pre, post, "
     "none) · cpu: parameters offloaded to the CPU · mp: mixed precision, compute/reduce dtypes · "

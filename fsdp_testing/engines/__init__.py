@@ -1,4 +1,5 @@
 """Sharding engines behind one protocol: ``fsdp_core`` (default), ``fsdp_core_fully_shard``,
+``fsdp_core_graph`` (graph mode: it steps the model itself, see :class:`StepsItself`),
 ``torch_fsdp1``, ``torch_fsdp2``.
 
 Select one per run (``--fsdp-engine NAME``, which calls :func:`set_default_engine`), per block
@@ -17,6 +18,7 @@ from ._base import (
     BaseEngine,
     FSDPEngine,
     PatchTarget,
+    StepsItself,
     clean_param_name,
     modules_selected_by_policy,
     translate_kwargs,
@@ -43,6 +45,7 @@ __all__ = [
     "FSDPEngine",
     "PatchTarget",
     "Probe",
+    "StepsItself",
     "UnitVolume",
     "available_engines",
     "clean_param_name",

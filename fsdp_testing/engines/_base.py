@@ -29,6 +29,7 @@ __all__ = [
     "BaseEngine",
     "FSDPEngine",
     "PatchTarget",
+    "StepsItself",
     "broadcast_module_states",
     "clean_param_name",
     "default_process_group",
@@ -161,6 +162,23 @@ class FSDPEngine(Protocol):
     def full_precision_classes(self, mixed_precision: Any) -> tuple[type[nn.Module], ...]:
         """Module classes that this engine itself keeps out of ``mixed_precision`` (FSDP1
         wraps batch norms separately with mixed precision off); empty for the others."""
+        ...
+
+
+@runtime_checkable
+class StepsItself(Protocol):
+    """An engine that runs a step's forward, loss and backward itself (graph mode runs one
+    traced graph, not the module's forward); the parity trainer calls :meth:`train_step` in
+    their place and then steps the optimizer as for any engine."""
+
+    def train_step(
+        self,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        loss_fn: Callable[[nn.Module, tuple[Any, ...]], torch.Tensor],
+    ) -> torch.Tensor:
+        """Forward, loss (``loss_fn(module, inputs)``) and backward of ``module`` sharded by
+        this engine; returns the loss, detached, with the gradients on the parameters."""
         ...
 
 

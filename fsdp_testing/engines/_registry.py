@@ -34,6 +34,7 @@ DEFAULT_ENGINE = "fsdp_core"
 _FACTORIES: dict[str, str | Callable[[], FSDPEngine]] = {
     "fsdp_core": "fsdp_testing.engines.fsdp_core:FSDPCoreEngine",
     "fsdp_core_fully_shard": "fsdp_testing.engines.fsdp_core_fully_shard:FSDPCoreFullyShardEngine",
+    "fsdp_core_graph": "fsdp_testing.engines.fsdp_core_graph:FSDPCoreGraphEngine",
     "torch_fsdp1": "fsdp_testing.engines.torch_fsdp1:TorchFSDP1Engine",
     "torch_fsdp2": "fsdp_testing.engines.torch_fsdp2:TorchFSDP2Engine",
 }

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from ..engines import FSDPEngine, clean_param_name, engine_for
+from ..engines import FSDPEngine, StepsItself, clean_param_name, engine_for
 from ..models._base import resolve_device
 from ..patching import rank_prefix
 from ._reference import find_test_model, reference_body
@@ -123,11 +123,15 @@ class TrainingLoop:
                 # As torch: the reference gets the low-precision inputs the sharded model casts
                 # its inputs to (a precision reference casts them anyway).
                 inputs = _cast_floats(inputs, self._autocast_dtype())
-            output = model(*inputs)
-            loss = test_model.get_loss(inputs, output).to(model_device)
-        loss = self.scaler.scale(loss)
-        self._validate_loss_dtype(loss)
-        test_model.run_backward(loss)
+            if isinstance(self.engine, StepsItself):
+                loss = self._engine_step(self.engine, inputs, model_device)
+            else:
+                output = model(*inputs)
+                loss = test_model.get_loss(inputs, output).to(model_device)
+        if not isinstance(self.engine, StepsItself):
+            loss = self.scaler.scale(loss)
+            self._validate_loss_dtype(loss)
+            test_model.run_backward(loss)
         if self.after_backward is not None:
             self.after_backward()
         if self.offload_params and self.sharded:
@@ -141,6 +145,24 @@ class TrainingLoop:
         if save_model:
             self._save_zero_load()
         return loss.detach()
+
+    def _engine_step(
+        self, engine: StepsItself, inputs: tuple[Any, ...], model_device: torch.device
+    ) -> torch.Tensor:
+        """Forward, loss and backward by an engine that runs them itself (graph mode)."""
+        if self.scaler.is_enabled() or self.autocast or self.use_pure_fp16:
+            raise NotImplementedError(
+                f"engine {getattr(engine, 'name', engine)!r} runs the step itself and supports "
+                "neither a grad scaler, autocast nor pure fp16 (enable_sharded_grad_scaler="
+                f"{self.scaler.is_enabled()}, autocast={self.autocast}, use_pure_fp16="
+                f"{self.use_pure_fp16}); train without them or use another engine."
+            )
+        test_model = self.test_model
+        loss = engine.train_step(
+            self.model, inputs, lambda m, i: test_model.get_loss(i, m(*i)).to(model_device)
+        )
+        self._validate_loss_dtype(loss)
+        return loss
 
     def _validate_loss_dtype(self, loss: torch.Tensor) -> None:
         """The loss dtype says whether the precision under test took effect.

@@ -20,10 +20,11 @@ from fsdp_testing.engines import (
 from fsdp_testing.parity import assert_module_states_equal, get_full_params
 
 
-def test_registry_lists_the_four_engines_and_defaults_to_fsdp_core():
+def test_registry_lists_the_five_engines_and_defaults_to_fsdp_core():
     assert available_engines() == [
         "fsdp_core",
         "fsdp_core_fully_shard",
+        "fsdp_core_graph",
         "torch_fsdp1",
         "torch_fsdp2",
     ]
@@ -32,7 +33,7 @@ def test_registry_lists_the_four_engines_and_defaults_to_fsdp_core():
 
 @pytest.mark.parametrize("api", [get_engine, set_default_engine, use_engine])
 def test_unknown_engine_name_lists_valid_names(api):
-    with pytest.raises(ValueError, match=r"unknown FSDP engine 'fsdp3'.*fsdp_core, fsdp_core_fully_shard, torch_fsdp1"):
+    with pytest.raises(ValueError, match=r"unknown FSDP engine 'fsdp3'.*fsdp_core, fsdp_core_fully_shard, fsdp_core_graph, torch_fsdp1"):
         result = api("fsdp3")
         if hasattr(result, "__enter__"):
             result.__enter__()

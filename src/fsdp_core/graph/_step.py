@@ -41,10 +41,8 @@ class TrainStep:
         self.passes = passes
         self._params = tuple(params)
         self._batch_specs = tuple((tuple(t.shape), t.dtype) for t in example_batch)
+        # Set by trace_train_step: each unit's group by name, each unit's parameter count.
         self._groups: dict[str, dist.ProcessGroup] = {}
-        for param in self._params:
-            group = param.param.device_mesh.get_group()
-            self._groups[group.group_name] = group
         self._unit_params: dict[str, int] = {}
 
     def with_passes(self, *passes: GraphPass) -> TrainStep:
@@ -63,9 +61,18 @@ class TrainStep:
         step = TrainStep(gm, self._params, [], tuple(names))
         step._batch_specs = self._batch_specs
         step._unit_params = self._unit_params
+        step._groups = self._groups
         return step
 
-    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *batch: torch.Tensor, observed: bool | None = None) -> torch.Tensor:
+        """Run one step on ``batch``; returns the loss and accumulates the gradient shards.
+
+        Args:
+            batch: tensors of the traced shapes and dtypes.
+            observed: run each collective through ``torch.distributed`` and publish
+                ``fsdp_core.events`` (see [Note: observed graph runs]); default ``None``: when
+                ``events`` has subscribers. ``False`` runs the compiled graph.
+        """
         specs = tuple((tuple(t.shape), t.dtype) for t in batch)
         if specs != self._batch_specs:
             raise ValueError(
@@ -73,7 +80,7 @@ class TrainStep:
                 f"{specs}; the graph has static shapes: trace again for another batch shape"
             )
         shards = [p.param.to_local() for p in self._params]
-        if events.has_subscribers():  # See [Note: observed graph runs].
+        if events.has_subscribers() if observed is None else observed:
             outputs = ObservedRun(self.gm, self._groups, self._unit_params).run(*shards, *batch)
         else:
             outputs = self.gm(*shards, *batch)
@@ -141,6 +148,7 @@ def trace_train_step(
     gm, params = trace_joint_graph(model, units, loss_fn, example_batch)
     step = TrainStep(gm, params, example_batch)
     step._unit_params = {unit.fqn: len(unit.params) for unit in units}
+    step._groups = {unit.group.group_name: unit.group for unit in units}
     return step
 
 

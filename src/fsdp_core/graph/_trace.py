@@ -69,7 +69,8 @@ class _Tracer:
             for name, param in module._parameters.items():
                 if param is not None:
                     self.registrations.setdefault(id(param), []).append((module, name))
-        self.gather_order: list[str] = []
+        self.gather_order: list[str] = []  # units whose all-gather was traced, in order
+        self.gathered: set[str] = set()
         self.reduce_order: list[str] = []
         self.module_stack: list[str] = []
 
@@ -84,8 +85,13 @@ class _Tracer:
                 shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, rows - shard.shape[0]])
             flats.append(shard.reshape(-1))
             widths.append(flats[-1].numel())
-        gathered = _OPS.wait_tensor(_OPS.all_gather_into_tensor(torch.cat(flats), world, name))
-        self.gather_order.append(unit.fqn)
+        self.gathered.add(unit.fqn)
+        if world == 1:  # a group of one moves nothing, as in eager mode
+            gathered = torch.cat(flats)
+        else:
+            gathered = _OPS.all_gather_into_tensor(torch.cat(flats), world, name)
+            gathered = _OPS.wait_tensor(gathered)
+            self.gather_order.append(unit.fqn)
         columns = gathered.view(world, -1).split(widths, dim=1)
         for param, column in zip(unit.params, columns, strict=True):
             full_shape = tuple(param.param.shape)
@@ -124,9 +130,13 @@ class _Tracer:
             widths.append(blocks[-1].shape[1])
         # Pre-divided, then summed: eager fully_shard's arithmetic (see [Note: gradient
         # averaging] in fsdp_core/_collectives.py), so gradients match it bitwise at any size.
-        flat = torch.cat(blocks, dim=1).reshape(-1) / world
-        reduced = _OPS.wait_tensor(_OPS.reduce_scatter_tensor(flat, "sum", world, name))
-        self.reduce_order.append(unit.fqn)
+        flat = torch.cat(blocks, dim=1).reshape(-1)
+        if world == 1:
+            reduced = flat
+        else:
+            reduced = _OPS.reduce_scatter_tensor(flat / world, "sum", world, name)
+            reduced = _OPS.wait_tensor(reduced)
+            self.reduce_order.append(unit.fqn)
         self.reduced.append((unit, params, widths, reduced))
 
     def _copy_out_gradients(self) -> None:
@@ -202,7 +212,7 @@ class _Tracer:
 
     def _unit_pre_forward(self, unit: GraphUnit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            if unit.fqn not in self.gather_order:
+            if unit.fqn not in self.gathered:
                 self._gather(unit)
 
         return hook

@@ -101,11 +101,17 @@ def find_units(api: str, model: nn.Module) -> list[GraphUnit]:
             f"{api} traces DTensor parameters sharded as (Shard(0),) only; {sorted(plain)} are "
             "not. Shard every parameter with fully_shard (and no other placement) first."
         )
+    from .._runtime import state_of
+
     units = []
     for unit_name, module in modules.items():
         params = owned[unit_name]
         if not params:
             continue
-        group = params[0].param.device_mesh.get_group()
+        state = state_of(module)
+        if state is not None and state.unit is not None:
+            group = state.unit.group  # the door's own group object
+        else:
+            group = params[0].param.device_mesh.get_group()
         units.append(GraphUnit(unit_name, module, tuple(params), group))
     return units
