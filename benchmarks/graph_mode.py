@@ -1,9 +1,10 @@
 """Graph mode against eager ``fully_shard``: step time and peak memory on the CPU (gloo).
 
 Each variant runs in a fresh pair of rank processes (peak RSS only grows within a process) on
-a model of ``--blocks`` equal ``Linear(dim, dim) + Tanh`` blocks, each block one unit (the root
-owns no parameter): eager fsdp_core ``fully_shard``, eager torch FSDP2 ``fully_shard``, and graph mode
-(``trace_train_step`` on fsdp_core's ``fully_shard``) with each pass alone and all together.
+a model of ``--blocks`` equal ``Linear(dim, dim) + Tanh`` blocks, each block one unit (the
+root owns no parameter): eager fsdp_core ``fully_shard``, eager torch FSDP2 ``fully_shard``,
+and graph mode (``trace_train_step`` on fsdp_core's ``fully_shard``) with each pass alone and
+all together.
 A step is forward, loss, backward and an SGD step; the time is the median over ``--steps``
 steps after two warm-up steps, the slowest rank's. Peak RSS is each rank's ``ru_maxrss``;
 ``peak_memory`` is graph mode's liveness estimate of one step (bytes alive at the worst node).
