@@ -60,17 +60,21 @@ def _passes(variant: str) -> tuple[Any, ...]:
 
 
 def _model(args: argparse.Namespace, variant: str) -> nn.Module:
+    import torch.distributed.fsdp
     from torch.distributed.device_mesh import DeviceMesh
 
-    if variant == "eager torch FSDP2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fsdp_core import fully_shard
+    import fsdp_core
+
+    fully_shard: Any = (
+        torch.distributed.fsdp.fully_shard
+        if variant == "eager torch FSDP2"
+        else fsdp_core.fully_shard
+    )
     torch.manual_seed(0)
     model = nn.Sequential(
         *[nn.Sequential(nn.Linear(args.dim, args.dim), nn.Tanh()) for _ in range(args.blocks)]
     )
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), "cpu")
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
