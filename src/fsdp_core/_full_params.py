@@ -14,18 +14,21 @@ dropped with whatever was written to them. Replicated units work the same way on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _collectives
-from ._runtime import FSDPState, states_in
+from ._runtime import FSDPState, state_of, states_in
 from ._unit import FSDPUnit
 from .api import TrainingState
 
-__all__ = ["summon_full_params"]
+__all__ = ["apply_with_full_params", "summon_full_params"]
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 @contextlib.contextmanager
@@ -77,6 +80,28 @@ def summon_full_params(
                 unit.write_back(temps)
         for state in states:
             state.training_state = TrainingState.IDLE
+
+
+def apply_with_full_params(module: ModuleT, fn: Callable[[nn.Module], None]) -> ModuleT:
+    """``nn.Module.apply(module, fn)`` with ``module``'s own unit summoned (``writeback``).
+
+    Nested instances are reached through ``nn.Module.apply`` calling their own ``apply``, so
+    each gathers its unit while ``fn`` runs on its subtree, as torch's FSDP1 does.
+    """
+    state = state_of(module)
+    if state is None:
+        raise AssertionError(f"[rank {dist.get_rank()}] apply_with_full_params needs FSDP")
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        raise RuntimeError(
+            "FullyShardedDataParallel.apply(fn) on the instance wrapping "
+            f"{type(getattr(module, 'module', module)).__name__} was called inside "
+            "summon_full_params of the same instance. apply gathers the full parameters itself: call it outside the "
+            "summon_full_params context, or inside it call fn on each module yourself "
+            "(for m in module.modules(): fn(m)), which sees the summoned parameters."
+        )
+    with summon_full_params(module, recurse=False, writeback=True):
+        nn.Module.apply(module, fn)
+    return module
 
 
 def _validate_idle(states: list[FSDPState]) -> None:

@@ -16,6 +16,7 @@ enclosing unit, the lowest common ancestor of its users (see [Note: shared param
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 
 import torch
@@ -31,7 +32,9 @@ __all__ = [
     "collect_params",
     "device_from_id",
     "expand_ignored",
+    "materialize_meta_module",
     "nested_unit_modules",
+    "resolve_ignored",
     "sync_module_states",
     "validate_no_scalars",
 ]
@@ -47,6 +50,47 @@ def expand_ignored(api: str, modules: Iterable[nn.Module] | None) -> set[nn.Modu
     if bad:
         raise TypeError(f"{api}: ignored_modules takes nn.Module instances, got {bad}.")
     return {sub for m in given for sub in m.modules()}
+
+
+def resolve_ignored(
+    api: str,
+    ignored_modules: Iterable[nn.Module] | None,
+    ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None,
+    is_unit: IsUnit,
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The ignored modules (with their submodules) and every ignored parameter.
+
+    ``ignored_states`` takes parameters or modules (not both kinds); ``ignored_modules`` and
+    ``ignored_states`` are exclusive, as in torch's FSDP1. The parameters include those of the
+    ignored modules.
+    """
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            f"{api}: pass ignored_modules or ignored_states, not both (got {ignored_modules!r} "
+            f"and {ignored_states!r}). Pass everything as ignored_states."
+        )
+    params: list[nn.Parameter] = []
+    modules: list[nn.Module] = list(ignored_modules or ())
+    if ignored_states is not None:
+        states = list(ignored_states)
+        if all(isinstance(s, nn.Parameter) for s in states):
+            params = states  # type: ignore[assignment]
+        elif all(isinstance(s, nn.Module) for s in states):
+            modules = states  # type: ignore[assignment]
+        else:
+            types = sorted({type(s).__name__ for s in states})
+            raise TypeError(
+                f"{api}: ignored_states takes all nn.Parameter or all nn.Module, got types "
+                f"{types}. Pass the modules' parameters instead of mixing both kinds."
+            )
+    units = [type(m).__name__ for m in modules if isinstance(m, nn.Module) and is_unit(m)]
+    if units:
+        raise ValueError(
+            f"{api}: ignored modules must not be FSDP instances, got {units}. Ignore the "
+            "module they wrap before wrapping it, or leave the instance out."
+        )
+    expanded = expand_ignored(api, modules)
+    return expanded, {*params, *(p for m in expanded for p in m.parameters(recurse=False))}
 
 
 def nested_unit_modules(module: nn.Module, is_unit: IsUnit) -> list[nn.Module]:
@@ -92,6 +136,86 @@ def collect_params(
 
     visit(module, "")
     return [ParamSpec(fqn, param, tuple(slots[i])) for i, (fqn, param) in params.items()]
+
+
+def materialize_meta_module(
+    api: str,
+    module: nn.Module,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    *,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    is_unit: IsUnit,
+    device: torch.device,
+) -> None:
+    """Materialize ``module``'s managed parameters and buffers that are on the meta device.
+
+    As torch's FSDP1: if any parameter ``module`` would own, or any buffer outside ignored
+    modules, is on meta, ``param_init_fn(m)`` runs on every module of ``module``'s tree in
+    breadth-first order, stopping at nested units and ignored modules. Without
+    ``param_init_fn``, each of those modules that holds parameters or buffers directly gets
+    ``to_empty(device=device, recurse=False)`` and ``reset_parameters()``.
+    """
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            f"{api}: param_init_fn takes a callable(module) -> None, got {param_init_fn!r}; "
+            "e.g. lambda m: m.to_empty(device='cpu', recurse=False)."
+        )
+    todo: list[nn.Module] = []
+    queue = collections.deque([module])
+    seen = {module}
+    while queue:
+        current = queue.popleft()
+        todo.append(current)
+        for child in current.children():
+            if child not in seen and child not in ignored_modules and not is_unit(child):
+                seen.add(child)
+                queue.append(child)
+    if not _meta_names(module, todo, ignored_params):
+        return
+    with torch.no_grad():
+        for m in todo:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif (
+                next(m.parameters(recurse=False), None) is not None
+                or next(m.buffers(recurse=False), None) is not None
+            ):
+                reset = getattr(m, "reset_parameters", None)
+                if not callable(reset):
+                    raise ValueError(
+                        f"{api}: module {type(m).__name__} is on the meta device and has no "
+                        "reset_parameters() to initialize it. Give it one, or pass "
+                        "param_init_fn=... to materialize it."
+                    )
+                m.to_empty(device=device, recurse=False)
+                reset()
+    left = _meta_names(module, todo, ignored_params)
+    if left:
+        raise ValueError(
+            f"{api}: parameters or buffers {left} are still on the meta device after "
+            "initialization. param_init_fn(module) must materialize the module's own "
+            "parameters and buffers, e.g. module.to_empty(device=..., recurse=False) followed "
+            "by reset_parameters()."
+        )
+
+
+def _meta_names(
+    root: nn.Module, modules: list[nn.Module], ignored_params: set[nn.Parameter]
+) -> list[str]:
+    """Names (relative to ``root``) of the meta parameters and buffers held by ``modules``."""
+    names = {m: name for name, m in root.named_modules(remove_duplicate=False)}
+    ignored_ids = {id(p) for p in ignored_params}
+    found = []
+    for m in modules:
+        prefix = f"{names[m]}." if names.get(m) else ""
+        found += [
+            prefix + n
+            for n, p in m.named_parameters(recurse=False)
+            if p.is_meta and id(p) not in ignored_ids
+        ]
+        found += [prefix + n for n, b in m.named_buffers(recurse=False) if b.is_meta]
+    return found
 
 
 def validate_no_scalars(api: str, specs: list[ParamSpec]) -> None:

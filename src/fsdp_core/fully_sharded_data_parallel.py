@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from . import _init, _state_dict
 from . import wrap as _wrap
 from ._clip_grad import clip_grad_norm
+from ._full_params import apply_with_full_params
 from ._full_params import summon_full_params as _summon_full_params
 from ._param import ParamSpec
 from ._precision import UnitPrecision
@@ -27,6 +28,7 @@ from ._runtime import (
     states_in,
 )
 from ._unit import FSDPUnit
+from ._wrapper_args import validate_wrapper_args
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -38,6 +40,8 @@ from .api import (
 )
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
+
+_API = "FullyShardedDataParallel"
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -62,8 +66,14 @@ class FullyShardedDataParallel(nn.Module):
             graph order.
         mixed_precision: a ``MixedPrecision`` policy for parameters, gradient reduction and
             buffers (default ``None``: full precision). See [Note: mixed precision].
-        ignored_modules: modules whose parameters stay unsharded and unreduced (default
+        ignored_modules: modules (with their submodules) whose parameters and buffers FSDP
+            does not manage: not sharded, not gathered, gradients not reduced (default
             ``None``).
+        param_init_fn: ``fn(module)`` materializing modules on the meta device before
+            sharding, called on every module of the subtree this instance owns (default
+            ``None``: ``to_empty`` on ``device_id`` or the CPU, then ``reset_parameters()``).
+        ignored_states: parameters, or modules, FSDP does not manage (default ``None``);
+            exclusive with ``ignored_modules``.
         device_id: device to move the module to before sharding, which is also the compute
             device (default ``None``: the parameters' device).
         sync_module_states: broadcast parameters and buffers from rank 0 of the group before
@@ -95,10 +105,17 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        _validate_args(module, strategy, cpu_offload, backward_prefetch, mixed_precision)
+        validate_wrapper_args(module, strategy, cpu_offload, backward_prefetch, mixed_precision)
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "FullyShardedDataParallel(module) got a module that is already wrapped; pass "
+                "the inner module (fsdp.module) or use the existing wrapper."
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "FullyShardedDataParallel needs torch.distributed to be initialized; call "
@@ -106,7 +123,9 @@ class FullyShardedDataParallel(nn.Module):
             )
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None  # for mypy: WORLD is set once initialized
-        ignored = _init.expand_ignored("FullyShardedDataParallel", ignored_modules)
+        ignored, ignored_params = _init.resolve_ignored(
+            "FullyShardedDataParallel", ignored_modules, ignored_states, _is_unit
+        )
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -124,7 +143,11 @@ class FullyShardedDataParallel(nn.Module):
                 "cpu_offload": cpu_offload,
                 "backward_prefetch": backward_prefetch,
                 "mixed_precision": mixed_precision,
-                "ignored_modules": ignored,
+                # torch passes its children the ignored parameters; given as modules, the
+                # modules go down so that their buffers stay ignored too.
+                "ignored_modules": None if ignored_states is not None else ignored,
+                "ignored_states": list(ignored_params) if ignored_states is not None else None,
+                "param_init_fn": param_init_fn,
                 "device_id": device_id,
                 "sync_module_states": sync_module_states,
                 "forward_prefetch": forward_prefetch,
@@ -137,15 +160,33 @@ class FullyShardedDataParallel(nn.Module):
                 lambda m, **kw: type(self)(m, process_group, **{**child_kwargs, **kw}),
                 ignored,
             )
-        if device_id is not None:
-            module.to(_init.device_from_id("FullyShardedDataParallel", device_id))
-        self.__dict__["_fsdp_state"] = self._init_state(module, ignored, sync_module_states)
+        device = _init.device_from_id(_API, device_id) if device_id is not None else None
+        _init.materialize_meta_module(
+            _API,
+            module,
+            param_init_fn,
+            ignored_modules=ignored,
+            ignored_params=ignored_params,
+            is_unit=_is_unit,
+            device=device or torch.device("cpu"),
+        )
+        if device is not None:
+            module.to(device)
+        self.__dict__["_fsdp_state"] = self._init_state(
+            module, ignored, ignored_params, sync_module_states
+        )
 
     def _init_state(
-        self, module: nn.Module, ignored: set[nn.Module], sync_module_states: bool
+        self,
+        module: nn.Module,
+        ignored: set[nn.Module],
+        ignored_params: set[nn.Parameter],
+        sync_module_states: bool,
     ) -> FSDPState:
         """Collect what this instance owns (see [Note: ownership]) and build its runtime."""
-        specs = _init.collect_params(module, ignored_modules=ignored, is_unit=_is_unit)
+        specs = _init.collect_params(
+            module, ignored_modules=ignored, ignored_params=ignored_params, is_unit=_is_unit
+        )
         nested = {
             i
             for child in _init.nested_unit_modules(module, _is_unit)
@@ -298,6 +339,14 @@ class FullyShardedDataParallel(nn.Module):
             offload_to_cpu=offload_to_cpu,
             with_grads=with_grads,
         )
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` on full parameters: gathers this instance's, runs ``fn`` on every
+        submodule and itself (nested instances gather their own), writes the changes back.
+
+        Every rank must call it, between training steps and outside ``summon_full_params``.
+        """
+        return apply_with_full_params(self, fn)
 
     # ------------------------------------------------------------------ state dicts
     @staticmethod
@@ -456,44 +505,6 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-
-
-# ---------------------------------------------------------------------- construction helpers
-def _validate_args(
-    module: nn.Module,
-    strategy: ShardingStrategy,
-    cpu_offload: CPUOffload | None,
-    backward_prefetch: BackwardPrefetch | None,
-    mixed_precision: MixedPrecision | None,
-) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module)!r}.")
-    if isinstance(module, FullyShardedDataParallel):
-        raise ValueError(
-            "FullyShardedDataParallel(module) got a module that is already wrapped; pass the "
-            "inner module (fsdp.module) or use the existing wrapper."
-        )
-    if not isinstance(strategy, ShardingStrategy):
-        raise TypeError(
-            f"sharding_strategy takes a ShardingStrategy, got {strategy!r}; e.g. "
-            "ShardingStrategy.FULL_SHARD."
-        )
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise NotImplementedError(
-            f"sharding_strategy={strategy} is not supported yet: hybrid sharding comes in a "
-            "later fsdp_core issue. Use FULL_SHARD or SHARD_GRAD_OP."
-        )
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(
-            f"backward_prefetch takes a BackwardPrefetch or None, got {backward_prefetch!r}."
-        )
-    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TypeError(f"cpu_offload takes a CPUOffload or None, got {cpu_offload!r}.")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(
-            f"mixed_precision takes a MixedPrecision or None, got {mixed_precision!r}; e.g. "
-            "MixedPrecision(param_dtype=torch.bfloat16)."
-        )
 
 
 def _is_unit(module: nn.Module) -> bool:
