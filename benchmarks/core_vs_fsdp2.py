@@ -1,4 +1,8 @@
-"""fsdp_core against torch's FSDP2 (``fully_shard``) and DDP on CPU/gloo, measured in one run.
+"""fsdp_core's two doors against torch's FSDP2 and DDP on CPU/gloo, measured in one run.
+
+The engines: ``fsdp_core`` (the wrapper door, ``FullyShardedDataParallel``),
+``fsdp_core_fully_shard`` (the composable door, ``fsdp_core.fully_shard``), ``torch_fsdp2``
+(torch's ``fully_shard``) and ``ddp``.
 
 World size 2, a transformer-like model (pre-norm blocks of multi-head attention and a 4x MLP).
 Two phases, both in this run:
@@ -9,15 +13,15 @@ Two phases, both in this run:
   bytes of one step against the theoretical volume (see [Note: theoretical volume] in
   ``fsdp_testing/cli/_measure.py``);
 - interleaved: one pair of rank processes builds every engine's copy of the model and steps them
-  in turn (round r starts with engine r mod 3), so that the machine's speed drift, which on a
+  in turn (round r starts with engine r mod 4), so that the machine's speed drift, which on a
   shared machine is larger than the engines' difference, hits every engine alike. The step-time
-  verdict comes from this phase: per round, fsdp_core's time over FSDP2's (the slower rank's),
-  then the median of those paired ratios.
+  verdict comes from this phase: per round, each fsdp_core door's time over FSDP2's (the slower
+  rank's), then the median of those paired ratios.
 
-Wrapping is the same for both sharded engines: every block is a unit and the root owns the
+Wrapping is the same for the three sharded engines: every block is a unit and the root owns the
 rest; FULL_SHARD with backward prefetch of one unit; the root keeps its parameters from forward
-to backward (FSDP2: ``reshard_after_forward=False`` on the root, which is what fsdp_core and
-FSDP1 do for the root).
+to backward (both ``fully_shard``s: ``reshard_after_forward=False`` on the root, which is what
+the wrapper and FSDP1 do for the root).
 
 ``--order-check-cost`` adds a fourth model to the interleaved phase: fsdp_core with its order
 tags switched off (``fsdp_core._runtime.set_order_tags``, for measurement only), and reports
@@ -40,7 +44,8 @@ import tempfile
 import time
 from typing import Any
 
-ENGINES = ("fsdp_core", "torch_fsdp2", "ddp")
+CORE_FULLY_SHARD = "fsdp_core_fully_shard"
+ENGINES = ("fsdp_core", CORE_FULLY_SHARD, "torch_fsdp2", "ddp")
 # fsdp_core with its order tags off, next to fsdp_core in the interleaved phase only.
 CORE_UNTAGGED = "fsdp_core_untagged"
 
@@ -99,6 +104,13 @@ def _wrap(engine: str, model: Any, block_class: type) -> Any:
         )
         set_order_tags(wrapped, enabled=engine == "fsdp_core")
         return wrapped
+    if engine == CORE_FULLY_SHARD:
+        from fsdp_core import fully_shard as core_fully_shard
+
+        for block in model.blocks:  # the default mesh: the world
+            core_fully_shard(block, reshard_after_forward=True)
+        core_fully_shard(model, reshard_after_forward=False)
+        return model
     if engine == "torch_fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -125,6 +137,7 @@ def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_
         reset_peak_rss,
         theoretical_volume,
     )
+    from fsdp_testing.engines import get_engine
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -151,7 +164,9 @@ def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_
             per_step.append(log.totals())
     # DDP all-reduces its buckets from its C++ Reducer, below the Python API that
     # CollectiveLog watches: its collectives are not counted (shown as "not visible").
-    theory = theoretical_volume(model, full_shard=True)
+    # Named, not found: the wrapper's engine also recognizes the composable door's modules.
+    named = get_engine(engine) if engine.startswith("fsdp_core") else None
+    theory = theoretical_volume(model, full_shard=True, engine=named)
     theory_totals = theory.totals() if theory is not None else {}
     result = {
         "engine": engine,
@@ -191,7 +206,7 @@ def run_rank_interleaved(
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    engines = ENGINES
+    engines: tuple[str, ...] = ENGINES
     if order_check_cost:  # next to fsdp_core, so that most rounds step the two back to back
         engines = (ENGINES[0], CORE_UNTAGGED, *ENGINES[1:])
     steppers = {}
@@ -306,18 +321,22 @@ def _print_report(
     )  # fmt: skip
     for line in differs:
         echo(console, line, style="bold red")
-    core, fsdp2, ddp = (max(r["step_s"] for r in results[e]) for e in ENGINES)
+    step = {e: max(r["step_s"] for r in results[e]) for e in ENGINES}
+    echo(console, "\nisolated: the engines ran one after another, so drift is included")
     peak = {e: max(r["peak_rss"] for r in results[e]) for e in ENGINES}
-    echo(
-        console,
-        f"\nisolated step time  fsdp_core / FSDP2 = {core / fsdp2:.3f}   "
-        f"fsdp_core / DDP = {core / ddp:.3f}  (engines one after another: drift included)",
-    )
-    echo(
-        console,
-        f"peak RSS            fsdp_core / FSDP2 = {peak['fsdp_core'] / peak['torch_fsdp2']:.3f}   "
-        f"fsdp_core / DDP = {peak['fsdp_core'] / peak['ddp']:.3f}\n",
-    )
+    for door in ("fsdp_core", CORE_FULLY_SHARD):
+        echo(
+            console,
+            f"isolated step time  {door} / FSDP2 = {step[door] / step['torch_fsdp2']:.3f}   "
+            f"{door} / DDP = {step[door] / step['ddp']:.3f}",
+        )
+    for door in ("fsdp_core", CORE_FULLY_SHARD):
+        echo(
+            console,
+            f"peak RSS            {door} / FSDP2 = {peak[door] / peak['torch_fsdp2']:.3f}   "
+            f"{door} / DDP = {peak[door] / peak['ddp']:.3f}",
+        )
+    echo(console, "")
     rows = []
     for engine in ENGINES:
         slower = _slower(interleaved, engine)
@@ -330,14 +349,19 @@ def _print_report(
         title=f"interleaved (one pair of ranks, engines stepped in turn): {args.rounds} rounds "
         f"after {args.warmup} warm-up rounds; the slower rank's time per step",
     )
+    # fsdp_core's ratios are keyed by the other engine; the composable door's by "door/other".
     summary = {}
-    for other in ("torch_fsdp2", "ddp"):
-        ratios = sorted(paired_ratios(interleaved, "fsdp_core", other))
+    pairs = [("fsdp_core", "torch_fsdp2"), ("fsdp_core", "ddp"), (CORE_FULLY_SHARD, "torch_fsdp2")]
+    for door, other in pairs:
+        ratios = sorted(paired_ratios(interleaved, door, other))
         q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        summary[other] = {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
+        key = other if door == "fsdp_core" else f"{door}/{other}"
+        summary[key] = {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
+        if door == CORE_FULLY_SHARD:
+            summary[key]["peak_rss_ratio"] = peak[door] / peak[other]
         echo(
             console,
-            f"step time  fsdp_core / {'FSDP2' if other == 'torch_fsdp2' else 'DDP':5} = "
+            f"step time  {door} / {'FSDP2' if other == 'torch_fsdp2' else 'DDP':5} = "
             f"{median:.3f} (median of {len(ratios)} paired rounds; quartiles {q1:.3f} to {q3:.3f})",
             style="bold",
         )
@@ -377,8 +401,8 @@ def _write_png(
     )
     figure = draw_bars(
         [step, memory],
-        title=f"fsdp_core, FSDP2 and DDP: {args.blocks} blocks of width {args.width}, world "
-        "size 2 (gloo, CPU)",
+        title=f"fsdp_core (both doors), FSDP2 and DDP: {args.blocks} blocks of width "
+        f"{args.width}, world size 2 (gloo, CPU)",
     )
     save_png(figure, path)
     print(f"wrote {path}")

@@ -41,14 +41,17 @@ def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
     assert "DIFFERS" not in proc.stdout, proc.stdout
     assert "fsdp_core / FSDP2 =" in proc.stdout and "paired rounds" in proc.stdout
     report = json.loads(out.read_text())
-    for engine in ("fsdp_core", "torch_fsdp2"):
+    for engine in ("fsdp_core", "fsdp_core_fully_shard", "torch_fsdp2"):
         rank0 = report["results"][engine][0]
         assert rank0["comm"] == rank0["theory"] != {}, engine
     assert len(report["paired_ratios"]["torch_fsdp2"]["ratios"]) == 2
-    assert all(len(t["fsdp_core"]) == 2 for t in report["interleaved"])
+    door = report["paired_ratios"]["fsdp_core_fully_shard/torch_fsdp2"]
+    assert len(door["ratios"]) == 2 and door["peak_rss_ratio"] > 0
+    assert "fsdp_core_fully_shard / FSDP2 =" in proc.stdout
+    assert all(len(t[e]) == 2 for t in report["interleaved"] for e in report["results"])
     # Plain lines in a pipe: the tables as aligned text, no escape codes.
     assert "\x1b" not in proc.stdout
-    assert "engine       median ms  min ms  max ms" in proc.stdout
+    assert "engine                 median ms  min ms  max ms" in proc.stdout
     assert f"wrote {png}" in proc.stdout
     assert_drawn_png(png, width=1000, height=450)
 
