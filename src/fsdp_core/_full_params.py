@@ -95,8 +95,9 @@ def apply_with_full_params(module: ModuleT, fn: Callable[[nn.Module], None]) -> 
         raise RuntimeError(
             "FullyShardedDataParallel.apply(fn) on the instance wrapping "
             f"{type(getattr(module, 'module', module)).__name__} was called inside "
-            "summon_full_params of the same instance. apply gathers the full parameters itself: call it outside the "
-            "summon_full_params context, or inside it call fn on each module yourself "
+            "summon_full_params of the same instance. apply gathers the full parameters "
+            "itself: call it outside the summon_full_params context, or inside it call fn "
+            "on each module yourself "
             "(for m in module.modules(): fn(m)), which sees the summoned parameters."
         )
     with summon_full_params(module, recurse=False, writeback=True):
