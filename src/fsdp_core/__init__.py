@@ -20,6 +20,7 @@ Layout (one role per module):
 - ``_clip_grad``: gradient norm clipping over all shards.
 - ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
 - ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
+- ``sharded_grad_scaler``: ``ShardedGradScaler``, loss scaling with found-inf agreed by all ranks.
 - ``fully_sharded_data_parallel``: the FSDP1-style wrapper door.
 - ``_composable``: the composable door, ``fully_shard`` and ``FSDPModule`` (FSDP2 names).
 """
@@ -46,6 +47,7 @@ from .api import (
     TrainingState,
 )
 from .fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
+from .sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "FSDP",
@@ -59,6 +61,7 @@ __all__ = [
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "StateDictType",
     "TrainingState",
