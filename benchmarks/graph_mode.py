@@ -7,7 +7,15 @@ and graph mode (``trace_train_step`` on fsdp_core's ``fully_shard``) with each p
 all together.
 A step is forward, loss, backward and an SGD step; the time is the median over ``--steps``
 steps after two warm-up steps, the slowest rank's. Peak RSS is each rank's ``ru_maxrss``;
-``peak_memory`` is graph mode's liveness estimate of one step (bytes alive at the worst node).
+"step adds" is what the measured steps add on top of the resident memory between steps: the
+kernel's peak RSS (``VmHWM``) is reset after warm-up (``/proc/self/clear_refs``) and read after
+the last step. For that to follow the tensors alive, the ranks run with glibc's
+``MALLOC_MMAP_THRESHOLD_=131072`` (unless set): every tensor over 128 KiB is its own mapping,
+returned to the system when freed, instead of a heap block glibc keeps (with the default,
+dynamic threshold RSS stays at its high-water mark and a step adds nothing measurable). This
+costs every variant an mmap and munmap per large tensor, which the step times include.
+``peak_memory`` is graph mode's liveness estimate of one step (bytes alive at the worst node);
+compare its drops between variants with those of "step adds".
 
     python benchmarks/graph_mode.py [--blocks 8] [--dim 1024] [--batch 64] [--steps 20]
 """
@@ -104,7 +112,10 @@ def _rank(rank: int, args: argparse.Namespace, variant: str, store: str, out: An
             model(x).square().mean().backward()
 
     times = []
+    base = 0.0
     for i in range(args.steps + 2):
+        if i == 2:  # warmed up: what a step adds is measured from here
+            base = _reset_peak_rss()
         dist.barrier()
         begin = time.perf_counter()
         optim.zero_grad()
@@ -115,11 +126,29 @@ def _rank(rank: int, args: argparse.Namespace, variant: str, store: str, out: An
         if i >= 2:
             times.append(float(elapsed))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
-    out.put((rank, statistics.median(times), rss, estimate))
+    step_peak = _status_mib("VmHWM") - base
+    out.put((rank, statistics.median(times), rss, step_peak, estimate))
     dist.destroy_process_group()
 
 
-def _run(args: argparse.Namespace, variant: str) -> tuple[float, list[float], int | None]:
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB -> MiB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> float:
+    """Reset the kernel's peak RSS (VmHWM) to the current RSS and return that RSS in MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mib("VmRSS")
+
+
+def _run(
+    args: argparse.Namespace, variant: str
+) -> tuple[float, list[float], list[float], int | None]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +159,7 @@ def _run(args: argparse.Namespace, variant: str) -> tuple[float, list[float], in
         results = sorted(out.get(timeout=600) for _ in procs)
         for p in procs:
             p.join()
-    return results[0][1], [r[2] for r in results], results[0][3]
+    return results[0][1], [r[2] for r in results], [r[3] for r in results], results[0][4]
 
 
 def main() -> None:
@@ -140,17 +169,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # read by the spawned ranks
     unit = args.dim * (args.dim + 1) * 4
     print(
         f"{args.blocks} x Linear({args.dim}, {args.dim}) + Tanh, batch {args.batch}, fp32, "
         f"2 gloo ranks, one unit {unit / 2**20:.1f} MiB gathered; median of {args.steps} steps"
     )
-    print(f"{'variant':32} {'step ms':>8} {'peak RSS MiB (r0/r1)':>22} {'peak_memory MiB':>16}")
+    print(
+        f"{'variant':30} {'step ms':>8} {'peak RSS MiB':>13} {'step adds MiB':>14} "
+        f"{'peak_memory MiB':>16}"
+    )
     for variant in VARIANTS:
-        step_s, rss, estimate = _run(args, variant)
+        step_s, rss, adds, estimate = _run(args, variant)
         est = "-" if estimate is None else f"{estimate / 2**20:.1f}"
         rss_text = "/".join(f"{r:.0f}" for r in rss)
-        print(f"{variant:32} {step_s * 1e3:8.1f} {rss_text:>22} {est:>16}", flush=True)
+        adds_text = "/".join(f"{a:.1f}" for a in adds)
+        print(
+            f"{variant:30} {step_s * 1e3:8.1f} {rss_text:>13} {adds_text:>14} {est:>16}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
