@@ -17,12 +17,16 @@ Layout (one role per module):
 - ``_runtime``: ``FSDPState``, root lazy init and the forward/backward hooks.
 - ``_full_params``: ``summon_full_params``.
 - ``_state_dict``: full state dict save and load.
+- ``_sharded_state_dict``: sharded (``DTensor``) and local state dict save and load.
+- ``_state_dict_types``: ``state_dict_type`` settings and the save/load dispatch on them.
+- ``_optim_state``: optimizer state dicts keyed by parameter name (full, sharded, local).
 - ``_clip_grad``: gradient norm clipping over all shards.
 - ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
 - ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
 - ``sharded_grad_scaler``: ``ShardedGradScaler``, loss scaling with found-inf agreed by all ranks.
 - ``fully_sharded_data_parallel``: the FSDP1-style wrapper door.
-- ``_composable``: the composable door, ``fully_shard`` and ``FSDPModule`` (FSDP2 names).
+- ``_composable``: the composable door, ``fully_shard``, ``replicate`` and ``FSDPModule``
+  (FSDP2 names).
 """
 
 from . import events, wrap
@@ -35,14 +39,24 @@ from ._composable import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    replicate,
     share_comm_ctx,
 )
 from .api import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
     MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
     StateDictType,
     TrainingState,
 )
@@ -56,19 +70,29 @@ __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardedGradScaler",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
     "StateDictType",
     "TrainingState",
     "UnshardHandle",
     "events",
     "fully_shard",
     "register_fsdp_forward_method",
+    "replicate",
     "share_comm_ctx",
     "wrap",
 ]

@@ -17,14 +17,25 @@ from .._runtime import FSDPState, state_of, states_in
 from .._unit import FSDPUnit
 
 __all__ = [
+    "API_KEY",
     "FSDPModule",
     "ForwardHooks",
     "UnshardHandle",
+    "api_of",
     "load_full_tensors_hook",
     "register_fsdp_forward_method",
     "resolve_reshard_after_forward",
     "share_comm_ctx",
 ]
+
+
+# The door that built a module's state ("fully_shard" or "replicate"), in its ``__dict__``.
+API_KEY = "_fsdp_api"
+
+
+def api_of(module: nn.Module) -> str:
+    """``"fully_shard"`` or ``"replicate"``: the door that gave ``module`` its state."""
+    return str(module.__dict__.get(API_KEY, "fully_shard"))
 
 
 class UnshardHandle:
@@ -92,13 +103,16 @@ class FSDPModule:
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int, recurse: bool = True
     ) -> None:
-        """Change ``reshard_after_forward`` (see ``fully_shard``), between steps.
+        """Change ``reshard_after_forward`` (see ``fully_shard``), between steps. Modules of
+        ``replicate`` keep their parameters whole and are left as they are.
 
         Args:
             reshard_after_forward: ``True``, ``False`` or an int dividing the shard world size.
             recurse: also every ``FSDPModule`` below this one (default ``True``).
         """
         for state in self._states(recurse):
+            if api_of(state.owner) == "replicate":
+                continue  # nothing to free or gather: see [Note: replicate] in _replicate
             unit = state.unit
             world = unit.shard_world if unit is not None else 1
             value = resolve_reshard_after_forward(
@@ -114,7 +128,7 @@ class FSDPModule:
                 unit.post_forward = (
                     None
                     if isinstance(value, bool)
-                    else PostForwardShards(post_forward_group(unit.group, value), world)
+                    else PostForwardShards(post_forward_group(_shard_group(unit), value), world)
                 )
 
     def set_reshard_after_backward(
@@ -251,6 +265,13 @@ def resolve_reshard_after_forward(api: str, value: object, shard_world: int) -> 
     if value == 1:
         return False
     return True if value == shard_world else value
+
+
+def _shard_group(unit: FSDPUnit) -> Any:
+    group = unit.groups.shard
+    if group is None:
+        raise AssertionError("an unsharded unit keeps nothing sharded after forward")
+    return group
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

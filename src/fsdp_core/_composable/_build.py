@@ -1,0 +1,260 @@
+"""What ``fully_shard`` and ``replicate`` share: the checks of their arguments, the parameters a
+call takes, the unit, and attaching the state, forward hooks and swapped class to the modules.
+
+Every message names the calling API (``api``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _init
+from .._groups import UnitGroups, hybrid_groups_from_mesh
+from .._param import DTensorLayout, ParamSpec, is_sharded_param
+from .._precision import UnitPrecision
+from .._runtime import FSDPState, state_of
+from .._unit import FSDPUnit
+from ..api import MixedPrecision
+from ..fully_sharded_data_parallel import FullyShardedDataParallel
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_module import API_KEY, ForwardHooks, FSDPModule, api_of, load_full_tensors_hook
+from ._shared import UnitFactory, mark_taken, move_shared_params, taken
+
+__all__ = [
+    "attach",
+    "collect_specs",
+    "compute_device",
+    "default_mesh",
+    "is_unit",
+    "unit_factory",
+    "validate_ignored",
+    "validate_modules",
+    "validate_policies",
+]
+
+_CLASS_CACHE: dict[tuple[str, type], type] = {}
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` has a state of its own (its parameters are not its parent's)."""
+    return state_of(module) is not None
+
+
+def validate_modules(api: str, module: object) -> list[nn.Module]:
+    """``module`` as a non-empty list of modules without a state and without wrappers."""
+    given: list[object] = (
+        list(module)
+        if isinstance(module, Iterable) and not isinstance(module, nn.Module)
+        else [module]
+    )
+    modules = [m for m in given if isinstance(m, nn.Module)]
+    if not given or len(modules) != len(given):
+        raise TypeError(f"{api} takes an nn.Module or a non-empty list of them, got {module!r}.")
+    for m in modules:
+        if isinstance(m, FullyShardedDataParallel):
+            raise ValueError(
+                f"{api} got a FullyShardedDataParallel instance (wrapping "
+                f"{type(m.module).__name__}): the two doors do not nest. Apply {api} to the "
+                "plain module instead of wrapping it."
+            )
+        if state_of(m) is not None:
+            raise ValueError(_applied_twice(api, api_of(m), type(m).__name__))
+        wrapped = [n for n, sub in m.named_modules() if isinstance(sub, FullyShardedDataParallel)]
+        if wrapped:
+            raise ValueError(
+                f"{api}({type(m).__name__}) contains FullyShardedDataParallel instances "
+                f"{wrapped}: the two doors do not nest. Use fully_shard on those submodules "
+                "instead of wrapping them."
+            )
+    return modules
+
+
+def _applied_twice(api: str, earlier: str, name: str) -> str:
+    if earlier == api:
+        verb = "sharded" if api == "fully_shard" else "replicated"
+        return (
+            f"{api} was already applied to {name}: each module is {verb} once. Apply {api} "
+            "bottom-up, once per module (submodules first, then the root)."
+        )
+    return (
+        f"{api}({name}): {earlier} was already applied to this module, and a module is either "
+        "sharded (fully_shard) or replicated (replicate), once. Keep one of the two calls."
+    )
+
+
+def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
+    """``mesh``, or a 1-D mesh of every rank on the parameters' device type when ``None``."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{api} needs torch.distributed to be initialized; call "
+            "dist.init_process_group(...) first."
+        )
+    if mesh is None:
+        device_type = "cpu"
+        for m in modules:
+            for p in m.parameters():
+                if p.device.type not in ("cpu", "meta"):
+                    device_type = p.device.type
+                break
+        if device_type == "cpu" and torch.cuda.is_available():
+            device_type = "cuda"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{api}: mesh takes a DeviceMesh or None, got {mesh!r}.")
+    return mesh
+
+
+def compute_device(mesh: Any) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def validate_policies(api: str, mp_policy: object, offload_policy: object) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"{api}: mp_policy takes a MixedPrecisionPolicy, got {mp_policy!r}; e.g. "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"{api}: offload_policy takes OffloadPolicy() or CPUOffloadPolicy(), got "
+            f"{offload_policy!r}."
+        )
+
+
+def validate_ignored(api: str, ignored_params: object) -> set[nn.Parameter]:
+    if ignored_params is None:
+        return set()
+    params = set(ignored_params)  # type: ignore[call-overload]
+    bad = [p for p in params if not isinstance(p, nn.Parameter)]
+    if bad:
+        raise TypeError(f"{api}: ignored_params takes nn.Parameters, got {bad[:3]}.")
+    return params
+
+
+def collect_specs(
+    api: str,
+    modules: list[nn.Module],
+    ignored: set[nn.Parameter],
+    validate: Callable[[list[ParamSpec]], None],
+) -> list[ParamSpec]:
+    """The parameters the call on ``modules`` takes: those they own (see [Note: ownership] in
+    ``_init``), less those a sibling unit took, plus the shared ones moving up from nested
+    units (see [Note: shared parameters] in ``_shared``). ``validate`` sees the owned ones."""
+    specs = []
+    seen: set[int] = set()
+    for m in modules:
+        for spec in _init.collect_params(
+            m, ignored_modules=set(), ignored_params=ignored, is_unit=is_unit
+        ):
+            if id(spec.param) not in seen:
+                seen.add(id(spec.param))
+                specs.append(spec)
+    validate(specs)
+    _validate_bottom_up(api, modules, specs)
+    return [s for s in specs if not taken(s.param)] + move_shared_params(modules)
+
+
+def _validate_bottom_up(api: str, modules: list[nn.Module], specs: list[ParamSpec]) -> None:
+    """A parameter already in a unit means an enclosing module got its unit first."""
+    from torch.distributed.tensor import Replicate
+
+    owned = [s for s in specs if is_sharded_param(s.param)]
+    if not owned:
+        return
+    names = ", ".join(type(m).__name__ for m in modules)
+    placements = getattr(owned[0].param, "placements", ())
+    by = (
+        "replicated by replicate"
+        if placements and all(isinstance(p, Replicate) for p in placements)
+        else "sharded by fully_shard"
+    )
+    raise ValueError(
+        f"{api}({names}) was applied top-down: its parameters {[s.fqn for s in owned]} are "
+        f"already {by} on an enclosing module, so they would belong to two units. Apply "
+        f"{api} bottom-up: submodules first, then their parents, then the root."
+    )
+
+
+def unit_factory(
+    modules: list[nn.Module],
+    mesh: Any,
+    *,
+    replicate: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    then: Callable[[FSDPUnit], None] | None = None,
+) -> UnitFactory:
+    """Builds the unit of ``modules`` from given parameters, with this call's options:
+    ``Shard(0)`` DTensors over ``mesh``, or with ``replicate`` whole ``Replicate()`` ones;
+    ``then`` finishes each unit built (also those rebuilt when a shared parameter moves up)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements: tuple[Any, ...]
+    if replicate:
+        groups, placements = UnitGroups(replicate=mesh.get_group()), (Replicate(),)
+    elif mesh.ndim == 2:  # HSDP: see [Note: unit groups] in ``_groups``
+        groups = hybrid_groups_from_mesh("fully_shard", mesh)
+        placements = (Replicate(), Shard(0))
+    else:
+        groups, placements = UnitGroups(shard=mesh.get_group()), (Shard(0),)
+    device = compute_device(mesh)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    layout = DTensorLayout(mesh, placements)
+
+    def make_unit(specs: list[ParamSpec]) -> FSDPUnit:
+        precision = UnitPrecision.resolve(
+            MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
+            specs[0].param.dtype,
+        )
+        unit = FSDPUnit(
+            modules[0],
+            specs,
+            groups,
+            precision=precision,
+            offload_params=offload,
+            compute_device=device,
+            layout=layout,
+            pin_memory=offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
+        )
+        if then is not None:
+            then(unit)
+        mark_taken(specs, unit)
+        return unit
+
+    return make_unit
+
+
+def attach(
+    api: str, modules: list[nn.Module], state: FSDPState, make_unit: UnitFactory, prefix: str
+) -> None:
+    """Give ``modules`` the state, its forward hooks, the state-dict hook and the class
+    ``<prefix><Cls>``, a subclass of ``FSDPModule`` and the original class."""
+    hooks = ForwardHooks(state, modules)
+    for m in modules:
+        m.__dict__["_fsdp_state"] = state
+        m.__dict__["_fsdp_forward_hooks"] = hooks
+        m.__dict__[API_KEY] = api
+        m.__class__ = _fsdp_class(type(m), prefix)
+        m.register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True)
+        m.register_forward_hook(hooks.post)
+        m.__dict__["_fsdp_make_unit"] = make_unit
+        m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, state))
+
+
+def _fsdp_class(cls: type, prefix: str) -> type:
+    """``<prefix><cls>``: a subclass of ``FSDPModule`` and ``cls`` (one per class)."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    key = (prefix, cls)
+    if key not in _CLASS_CACHE:
+        _CLASS_CACHE[key] = type(f"{prefix}{cls.__name__}", (FSDPModule, cls), {})
+    return _CLASS_CACHE[key]
