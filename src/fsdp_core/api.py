@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -10,9 +11,18 @@ import torch
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "FullOptimStateDictConfig",
     "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
     "StateDictType",
     "TrainingState",
 ]
@@ -50,9 +60,10 @@ class StateDictType(enum.Enum):
     FULL_STATE_DICT = enum.auto()
     """Unsharded tensors under the unwrapped names, as a plain ``nn.Module`` would produce."""
     LOCAL_STATE_DICT = enum.auto()
-    """Each rank's flat local shards (arrives with the sharded state dict work, later)."""
+    """Each unit's flat local shard under ``<module>._flat_param``; loads only at the same
+    world size and wrapping."""
     SHARDED_STATE_DICT = enum.auto()
-    """Each rank's shards with resharding metadata (arrives with the sharded state dict work)."""
+    """``DTensor`` shards (``Shard(0)``) under the unwrapped names; DCP reshards them."""
 
 
 class TrainingState(enum.Enum):
@@ -142,8 +153,31 @@ class MixedPrecision:
                 raise TypeError(f"MixedPrecision({field_name}=...) takes a bool, got {value!r}.")
 
 
+def _validate_bools(config: object) -> None:
+    for field in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, field.name)
+        if field.type in ("bool", bool) and not isinstance(value, bool):
+            raise TypeError(
+                f"{type(config).__name__}({field.name}=...) takes a bool, got {value!r}."
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
-class FullStateDictConfig:
+class StateDictConfig:
+    """Options every model state dict layout shares (torch's base class).
+
+    Args:
+        offload_to_cpu: return the tensors on the CPU (default ``False``).
+    """
+
+    offload_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _validate_bools(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullStateDictConfig(StateDictConfig):
     """Options of ``StateDictType.FULL_STATE_DICT``.
 
     Args:
@@ -154,13 +188,90 @@ class FullStateDictConfig:
             every rank.
     """
 
-    offload_to_cpu: bool = False
     rank0_only: bool = False
 
+
+@dataclass(frozen=True, kw_only=True)
+class LocalStateDictConfig(StateDictConfig):
+    """Options of ``StateDictType.LOCAL_STATE_DICT`` (``offload_to_cpu`` only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedStateDictConfig(StateDictConfig):
+    """Options of ``StateDictType.SHARDED_STATE_DICT``.
+
+    Args:
+        offload_to_cpu: the ``DTensor``s' local shards are CPU copies (default ``False``).
+        _use_dtensor: accepted for torch compatibility; the values are always ``DTensor``s.
+    """
+
+    _use_dtensor: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimStateDictConfig:
+    """Options every optimizer state dict layout shares (torch's base class).
+
+    Args:
+        offload_to_cpu: return the state tensors on the CPU (default ``True``, as in torch).
+    """
+
+    offload_to_cpu: bool = True
+
     def __post_init__(self) -> None:
-        for field_name in ("offload_to_cpu", "rank0_only"):
-            value = getattr(self, field_name)
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"FullStateDictConfig({field_name}=...) takes a bool, got {value!r}."
-                )
+        _validate_bools(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Options of the full optimizer state dict (unsharded state under parameter names).
+
+    Args:
+        offload_to_cpu: return the state tensors on the CPU (default ``True``).
+        rank0_only: only global rank 0 receives the state tensors; the others get an empty
+            dict (default ``False``). Every rank must call ``FSDP.optim_state_dict``.
+    """
+
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Options of the local optimizer state dict (each rank's own state, as it holds it).
+
+    Args:
+        offload_to_cpu: return the state tensors on the CPU (default ``False``).
+    """
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Options of the sharded optimizer state dict (``DTensor`` state under parameter names).
+
+    Args:
+        offload_to_cpu: the local shards are CPU copies (default ``True``).
+        _use_dtensor: accepted for torch compatibility; the values are always ``DTensor``s.
+    """
+
+    _use_dtensor: bool = True
+
+
+class OptimStateKeyType(enum.Enum):
+    """How an optimizer state dict names its parameters."""
+
+    PARAM_NAME = enum.auto()
+    """By fully qualified parameter name (what ``FSDP.optim_state_dict`` returns)."""
+    PARAM_ID = enum.auto()
+    """By the optimizer's integer parameter index (what ``optim.state_dict()`` returns)."""
+
+
+@dataclass(frozen=True)
+class StateDictSettings:
+    """What ``FSDP.set_state_dict_type`` / ``get_state_dict_type`` return: the layout and
+    both configurations in effect."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

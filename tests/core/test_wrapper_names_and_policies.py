@@ -16,29 +16,17 @@ from fsdp_core._init import device_from_id
 
 from ._models import NestedModel
 
-# Left for the checkpoint issue (SPEC 3b): torch's state-dict configuration classes.
-NOT_YET = {
-    "FullOptimStateDictConfig",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "OptimStateDictConfig",
-    "OptimStateKeyType",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "StateDictConfig",
-    "StateDictSettings",
-}
 
-
-def test_public_names_cover_torch_fsdp_but_the_listed_checkpoint_classes():
-    """Every name in torch.distributed.fsdp.__all__ and every public name defined in
-    torch.distributed.fsdp.wrap exists in fsdp_core (resp. fsdp_core.wrap), except the
-    state-dict configuration classes listed here."""
+def test_public_names_cover_torch_fsdp():
+    """Every name in torch.distributed.fsdp.__all__ (the state dict configuration classes
+    included) and every public name defined in torch.distributed.fsdp.wrap exists in fsdp_core
+    (resp. fsdp_core.wrap)."""
     import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp.wrap as torch_wrap
 
-    missing = {n for n in torch_fsdp.__all__ if not hasattr(fsdp_core, n)}
-    assert missing == NOT_YET, sorted(missing ^ NOT_YET)
+    missing = sorted(n for n in torch_fsdp.__all__ if not hasattr(fsdp_core, n))
+    assert missing == []
+    assert "StateDictSettings" in torch_fsdp.__all__  # the list this checks is torch's own
     wrap_names = {
         n
         for n, v in vars(torch_wrap).items()
