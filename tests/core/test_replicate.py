@@ -355,3 +355,52 @@ def test_bad_input_raises_naming_the_value_and_the_fix(rank, process_group):
         replicate(refused, mesh=DeviceMesh("cpu", ranks))
     assert not isinstance(refused, FSDPModule)
     assert replicate(refused, mesh=mesh) is refused
+
+
+class _TiedLM(nn.Module):
+    """Embedding -> Linear -> output projection (with a bias) whose weight is the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.proj = nn.Linear(6, 11)
+        self.proj.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_weight_tied_out_of_the_replicated_module_moves_to_the_root(rank, process_group):
+    """proj is replicated but shares its weight with embed: fully_shard on the root takes the
+    weight out of proj's unit (which keeps its bias, replicated) and shards it; training
+    equals DDP bitwise."""
+    mesh = _mesh(process_group)
+    plain = _TiedLM()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(plain), process_group=process_group)
+    replicate(plain.proj, mesh=mesh)
+    fully_shard(plain.hidden, mesh=mesh)
+    model = fully_shard(plain, mesh=mesh)
+    names = {id(m): n for n, m in model.named_modules()}
+    units = {
+        names[id(s.owner)]: [p.fqn for p in s.unit.params] if s.unit else []
+        for s in states_in(model)
+    }
+    assert units == {"": ["embed.weight"], "hidden": ["weight", "bias"], "proj": ["bias"]}
+    assert model.proj.weight is model.embed.weight
+    assert model.embed.weight.placements == (Shard(0),)
+    assert model.proj.bias.placements == (Replicate(),)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(3):
+        tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank + step))
+        for net, optim in ((ddp, ddp_opt), (model, opt)):
+            net(tokens).logsumexp(-1).mean().backward()
+            optim.step()
+            optim.zero_grad()
+    for (name, p), (_, q) in zip(
+        ddp.module.named_parameters(), model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(_full(q), p.detach(), rtol=0, atol=0, msg=name)
