@@ -17,6 +17,13 @@ the unit's parameters and the world size, not from what the engine sends:
   unpadded bytes instead, and a unit over a group of one rank sends nothing.
 - bytes are counted in the dtype the engine gathers in (``param_dtype`` under mixed precision)
   and reduces in (``reduce_dtype``).
+- hybrid sharding (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``, a 2-D mesh) over a shard group of
+  ``S`` ranks and a replicate group of ``R``: the all-gather and the reduce-scatter are those of
+  a unit sharded over ``S`` (padding to a multiple of ``S``), inside the shard group; each
+  unit with trainable parameters then all-reduces its reduced shard, ``1 / S`` of the padded
+  gradient bytes, across the replicate group (``replica_reduce_bytes``). So the families map
+  to groups: all-gather and reduce-scatter to the shard group, all-reduce to the replicate
+  group.
 
 Padding is the layout's: ``fsdp_core`` and FSDP2 pad every parameter in dim 0 to a multiple of
 the world size; FSDP1 pads one flat parameter per unit. ``fsdp_core`` also sends an order tag
@@ -45,6 +52,9 @@ class UnitVolume:
     """All-gathers per step."""
     reduce_kind: str | None
     """``reduce_scatter``, ``all_reduce`` or None (nothing to reduce, or a group of one)."""
+    replica_reduce_bytes: int = 0
+    """Hybrid sharding: bytes of the all-reduce of the reduced shard across the replicate
+    group after the reduce-scatter (0: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +80,9 @@ class CommVolume:
             if unit.reduce_kind is not None:
                 count, size = out.get(unit.reduce_kind, (0, 0))
                 out[unit.reduce_kind] = (count + 1, size + unit.reduce_bytes)
+            if unit.replica_reduce_bytes:
+                count, size = out.get("all_reduce", (0, 0))
+                out["all_reduce"] = (count + 1, size + unit.replica_reduce_bytes)
         return out
 
 

@@ -86,8 +86,11 @@ class FSDPCoreEngine(WrapperEngine):
 
 
 def _unit_volume(instance: Any, unit: Any, full_shard: bool) -> UnitVolume:
-    world = unit.group_size
-    sharded = not unit.replicate
+    # See [Note: unit groups] in fsdp_core/_groups.py: sharded over ``world`` ranks, each shard
+    # replicated across ``replicas`` (NO_SHARD: world 1, hybrid: both above 1).
+    world = unit.shard_world
+    replicas = unit.groups.replicate_size
+    sharded = world > 1
     trainable = [p for p in unit.params if p.requires_grad]
     # Gathered in the compute dtype and reduced in the reduce dtype (mixed precision).
     precision = getattr(unit, "precision", None)
@@ -99,13 +102,20 @@ def _unit_volume(instance: Any, unit: Any, full_shard: bool) -> UnitVolume:
         return padded_bytes(shape, world, itemsize) if sharded else math.prod(shape) * itemsize
 
     reduce_kind = None
-    if trainable and world > 1:
-        reduce_kind = "reduce_scatter" if sharded else "all_reduce"
+    if trainable and sharded:
+        reduce_kind = "reduce_scatter"
+    elif trainable and replicas > 1:
+        reduce_kind = "all_reduce"
     # The order tag (elements): per rank of a gather; per rank per row of a reduction.
     tagged = getattr(unit, "order_tags", None) is not None
     gather_tag = 2 * world if tagged else 0
-    reduce_tag = 2 * world * (world if sharded else 1) if tagged and reduce_kind else 0
+    first_group = world if sharded else replicas
+    reduce_tag = 2 * first_group * world if tagged and reduce_kind else 0
     gathered = sum(size(p, gather_dtype.itemsize) for p in unit.params)
+    replica_reduce = 0
+    if trainable and sharded and replicas > 1:  # hybrid: the shard, across the replicas
+        shard_bytes = sum(size(p, reduce_dtype.itemsize) for p in trainable) // world
+        replica_reduce = shard_bytes + (2 * replicas * reduce_dtype.itemsize if tagged else 0)
     return UnitVolume(
         name=instance._fsdp_state.fqn or "<root>",
         gather_bytes=gathered + gather_tag * gather_dtype.itemsize if sharded else 0,
@@ -118,6 +128,7 @@ def _unit_volume(instance: Any, unit: Any, full_shard: bool) -> UnitVolume:
             reshard_after_forward=full_shard,
         ),
         reduce_kind=reduce_kind,
+        replica_reduce_bytes=replica_reduce,
     )
 
 

@@ -130,7 +130,7 @@ class FSDPCoreFullyShardEngine(TorchFSDP2Engine):
         units: list[UnitVolume] = []
         for state in _core()._runtime.states_in(module):
             unit = state.unit
-            if unit is None or unit.group_size == 1:
+            if unit is None or unit.groups.world == 1:
                 continue
             rsf = state.config.reshard_after_forward
             reshards = rsf is not False and (

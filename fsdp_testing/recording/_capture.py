@@ -186,13 +186,15 @@ class Capture:
             )
         sized = tensors[1] if family == "reduce_scatter" else tensors[0]
         group = kwargs.get("group")
+        initialized = dist.is_initialized()
         self._add(
             CollectiveRecord,
             unit=unit,
             op=name,
             shapes=tuple(tuple(t.shape) for t in tensors),
             dtype=str(tensors[-1].dtype).removeprefix("torch."),
-            group_size=dist.get_world_size(group) if dist.is_initialized() else 1,
+            group_size=dist.get_world_size(group) if initialized else 1,
+            group_ranks=_group_ranks(group) if initialized else (),
             bytes=sized.numel() * sized.element_size(),
             async_op=bool(kwargs.get("async_op", False)),
             ts_us=start,
@@ -245,3 +247,11 @@ class Capture:
             ts_us=span.start,
             dur_us=end - span.start,
         )
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of ``group`` (``None``: the default group), or ``()`` if unknown."""
+    try:
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except (KeyError, ValueError, RuntimeError, TypeError):  # e.g. a group of another world
+        return ()

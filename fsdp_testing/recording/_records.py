@@ -48,7 +48,9 @@ class Record:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CollectiveRecord(Record):
     """One collective call. ``bytes``: the unsharded buffer (all-gather output, reduce-scatter
-    input, all-reduce tensor); ``shapes``: the tensors in call order (output first)."""
+    input, all-reduce tensor); ``shapes``: the tensors in call order (output first);
+    ``group_ranks``: the global ranks of its process group (``()`` when not known), which
+    tells the shard group of hybrid sharding from its replicate group."""
 
     op: str
     shapes: tuple[tuple[int, ...], ...]
@@ -56,6 +58,7 @@ class CollectiveRecord(Record):
     group_size: int
     bytes: int
     async_op: bool = False
+    group_ranks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,6 +151,16 @@ class RecordLog:
             for r in self.select(CollectiveRecord, step=step, unit=unit)
             if names is None or r.op in names
         ]
+
+    def bytes_by_group(
+        self, op: str | None = None, *, step: int | None = None
+    ) -> dict[tuple[int, ...], int]:
+        """Bytes of the collectives (``op`` as in :meth:`collectives`) per process group, by
+        the group's global ranks."""
+        out: dict[tuple[int, ...], int] = {}
+        for record in self.collectives(op, step=step):
+            out[record.group_ranks] = out.get(record.group_ranks, 0) + record.bytes
+        return out
 
     def count(self, op: str, *, step: int | None = None, unit: str | None = None) -> int:
         """Number of calls of collective ``op`` (a name or a family, see :meth:`collectives`)."""

@@ -153,10 +153,15 @@ class ExecOrder(Generic[FSDPState]):
         See [Note: order validation].
         """
         unit = state.unit
-        if not self.validating or unit is None or unit.group_size == 1:
+        if not self.validating or unit is None:
             return
         code = 2 * self._index[id(state)] + _OPS.index(op)
-        low, high = _collectives.check_same_index(code, unit.group, unit.device)
+        low = high = code
+        # Hybrid: the shard group, then the replicate group; both always run, so that no rank
+        # waits in a check its group's other ranks skipped.
+        for group in unit.groups.collective_groups():
+            group_low, group_high = _collectives.check_same_index(code, group, unit.device)
+            low, high = min(low, group_low), max(high, group_high)
         if low == high:
             return
         others = sorted({low, high} - {code})

@@ -137,13 +137,16 @@ def _gather_full_grads(unit: FSDPUnit) -> list[torch.Tensor | None]:
         if grad is not None:
             flat[offset : offset + p.shard_numel].copy_(grad.reshape(-1))
         offset += p.shard_numel
-    if unit.replicate:
+    group = unit.groups.shard
+    if group is None or unit.shard_world == 1:
         gathered = flat
     else:
+        # Replicas hold the same reduced shards: gathering inside the shard group suffices.
         has_grad = has_grad.to(unit.device)
-        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=unit.group)
-        gathered = torch.empty(unit.group_size * flat.numel(), dtype=unit.dtype, device=unit.device)
-        _collectives.all_gather_flat(gathered, flat, unit.group, unit=unit.name)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+        numel = unit.shard_world * flat.numel()
+        gathered = torch.empty(numel, dtype=unit.dtype, device=unit.device)
+        _collectives.all_gather_flat(gathered, flat, group, unit=unit.name)
     blocks = gathered.view(unit.shard_world, -1)
     full: list[torch.Tensor | None] = []
     offset = 0

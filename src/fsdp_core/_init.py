@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._groups import UnitGroups
 from ._param import ParamSpec
 from ._precision import BufferSlot
 
@@ -254,16 +255,20 @@ def sync_module_states(
     module: nn.Module,
     specs: list[ParamSpec],
     ignored_modules: set[nn.Module],
-    group: dist.ProcessGroup,
+    groups: UnitGroups,
 ) -> None:
-    """Broadcast a unit's parameters and ``module``'s buffers from the group's rank 0."""
+    """Broadcast a unit's parameters and ``module``'s buffers from the first rank of its
+    groups: the group's rank 0, or for a hybrid layout the grid's first rank across both
+    dimensions (global rank 0 when the grid is the world; see ``UnitGroups.broadcast_steps``)."""
     tensors = [s.param.detach() for s in specs]
     ignored_ids = {id(b) for m in ignored_modules for b in m.buffers()}
     tensors += [b.detach() for b in module.buffers() if id(b) not in ignored_ids]
-    src = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for tensor in tensors:
-            dist.broadcast(tensor, src=src, group=group)
+        for group, src in groups.broadcast_steps():
+            if dist.get_world_size(group) == 1:
+                continue
+            for tensor in tensors:
+                dist.broadcast(tensor, src=src, group=group)
 
 
 def device_from_id(api: str, device_id: int | str | torch.device) -> torch.device:

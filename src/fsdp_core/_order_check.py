@@ -18,13 +18,19 @@ after the collective: no extra collective, in any iteration.
   (fp8) go untagged.
 - All-gather: each rank's block (its flat shard) is followed by its two digits, so the output
   holds every rank's code, the same bytes on every rank.
-- Reduction (reduce-scatter; all-reduce for a replicated unit): the payload is summed, so a
+- Reduction (reduce-scatter, then all-reduce across replicas; see [Note: unit groups] in
+  ``_groups``): the payload is summed, so a
   per-rank code cannot share one element (codes 1 and 3 sum like 2 and 2, and comparing the sum
   with ``world * code`` is not the same test on every rank). Instead each row of the input (the
   part summed into one rank's output) is followed by ``2 * world`` elements, one pair per rank
   of the group; rank ``s`` writes its digits into pair ``s`` of every row, after the gradient
   pre-division, and the rest are zero. Each received element is then one rank's digit plus
   zeros, exact in every dtype and summation order: every rank reads every rank's code.
+- Hybrid sharding reduces twice: the reduce-scatter's row carries one pair per rank of the
+  shard group; after it is checked, those columns of the output are zeroed and replaced by one
+  pair per rank of the replicate group, which the all-reduce then sums and every replica
+  checks. Summing the shard group's pairs across replicas instead would add codes up, so each
+  collective gets its own columns.
 - So every rank of the group sees the same codes and decides the same way: on a mismatch all
   of them raise at the same collective, with the same message naming each rank's unit, op and
   iteration, and none goes on into a next collective that could hang.
@@ -187,24 +193,25 @@ class OrderChecker:
         self.flush()
         self.iteration += 1
 
-    def for_unit(self, unit_index: int, group: dist.ProcessGroup) -> UnitTags:
-        return UnitTags(self, unit_index, group)
+    def for_unit(self, unit_index: int) -> UnitTags:
+        return UnitTags(self, unit_index)
 
     def code(self, unit_index: int, op: TagOp) -> int:
         return encode(unit_index, op, self.iteration)
 
-    def check(self, tags: UnitTags, code: int, received: torch.Tensor) -> None:
-        """Compare ``received`` (1D, a digit pair per rank) with ``code``; raise on a mismatch.
+    def check(self, group: dist.ProcessGroup, code: int, received: torch.Tensor) -> None:
+        """Compare ``received`` (1D, a digit pair per rank of ``group``) with ``code``; raise
+        on a mismatch.
 
         On CUDA the comparison waits for :meth:`flush`. See [Note: order check].
         """
         if received.device.type != "cuda":
-            self._compare(tags.group, code, self.iteration, received.tolist())
+            self._compare(group, code, self.iteration, received.tolist())
             return
         host = torch.empty(received.shape, dtype=received.dtype, pin_memory=True)
         host.copy_(received, non_blocking=True)
         copied = torch.cuda.current_stream(received.device).record_event()
-        self._pending.append(_Pending(tags.group, code, self.iteration, host, copied))
+        self._pending.append(_Pending(group, code, self.iteration, host, copied))
 
     def flush(self) -> None:
         """Compare the tags whose comparison was deferred (CUDA); raise at the first mismatch."""
@@ -258,15 +265,15 @@ class UnitTags:
     See [Note: order check].
     """
 
-    def __init__(self, checker: OrderChecker, unit_index: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, checker: OrderChecker, unit_index: int) -> None:
         self.checker = checker
         self.unit_index = unit_index
-        self.group = group
 
     def code(self, op: TagOp) -> int:
         """The code this rank sends with the unit's next ``op`` collective."""
         return self.checker.code(self.unit_index, op)
 
-    def check(self, code: int, received: torch.Tensor) -> None:
-        """Compare the digit pairs ``received`` (1D, one per rank) with the ``code`` sent."""
-        self.checker.check(self, code, received)
+    def check(self, code: int, received: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Compare the digit pairs ``received`` (1D, one per rank of ``group``, the group of
+        the collective) with the ``code`` sent."""
+        self.checker.check(group, code, received)

@@ -139,7 +139,19 @@ class ShardedParam:
 
     def _as_parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """``local`` (this rank's rows) as the parameter the module shows between passes."""
-        param = nn.Parameter(self._as_sharded_tensor(local), requires_grad=requires_grad)
+        tensor = self._as_sharded_tensor(local)
+        if self.layout is None:
+            param = nn.Parameter(tensor, requires_grad=requires_grad)
+        else:
+            # A DTensor parameter built directly (``nn.Parameter(dtensor)`` would detach it
+            # through DTensor's dispatch, whose output-spec cache compares meshes by layout:
+            # a mesh rebuilt with new groups after an equal one's groups were destroyed would
+            # get the old mesh back). ``_is_param`` is what makes it an ``nn.Parameter``.
+            from torch.distributed.tensor import DTensor
+
+            spec = tensor._spec  # type: ignore[attr-defined]
+            param = DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[assignment]
+            param._is_param = True
         param._fsdp_sharded = True  # type: ignore[attr-defined]  # see is_sharded_param
         return param
 

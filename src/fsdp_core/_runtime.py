@@ -217,7 +217,7 @@ class FSDPState:
             state.exec_order = order
             if state.unit is not None and state.tag_collectives:
                 # See [Note: order check].
-                state.unit.order_tags = order.checker.for_unit(index, state.unit.group)
+                state.unit.order_tags = order.checker.for_unit(index)
         self._validate_offloaded_devices()
         for state in states:
             buffer_dtype = state.config.buffer_dtype
@@ -494,7 +494,7 @@ def set_order_tags(module: nn.Module, *, enabled: bool) -> None:
         if unit is None or order is None:
             continue  # lazy init has not run yet: it reads ``tag_collectives``
         index = order.index(state)
-        unit.order_tags = order.checker.for_unit(index, unit.group) if enabled else None
+        unit.order_tags = order.checker.for_unit(index) if enabled else None
 
 
 def clean_fqn(name: str) -> str:

@@ -7,15 +7,17 @@ Test helpers patch :meth:`FSDPUnit.unshard`, :meth:`FSDPUnit.reshard` and
 instance so such patches see every call.
 
 Communication per unit: ``unshard`` issues one all-gather of the flat shard buffer (the
-concatenation of every parameter's padded dim-0 shard), ``post_backward`` one reduce-scatter
-(sharded) or all-reduce (replicated) of all of the unit's gradients.
+concatenation of every parameter's padded dim-0 shard) inside the shard group,
+``post_backward`` one reduce-scatter of all of the unit's gradients inside the shard group and
+one all-reduce of the reduced shard across the replicate group, each skipped over a group of
+one (see [Note: unit groups] in ``_groups``).
 
 The data path of an unshard is: flat shard -> [copy to the compute device, with CPU offload] ->
-[cast to ``param_dtype``, with mixed precision] -> all-gather (skipped when replicated) -> copy
+[cast to ``param_dtype``, with mixed precision] -> all-gather (skipped when unsharded) -> copy
 out into each unsharded parameter. A reduction goes: unsharded gradients -> reduce buffer in
-``reduce_dtype``, pre-divided -> reduce-scatter or all-reduce -> [cast to the gradient dtype]
--> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``. Both collectives
-carry an order tag after the data once the root has given the unit its ``order_tags``; see
+``reduce_dtype``, pre-divided -> reduce-scatter -> all-reduce -> [cast to the gradient dtype]
+-> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``. Every collective
+carries an order tag after the data once the root has given the unit its ``order_tags``; see
 [Note: order check] in ``_order_check``.
 
 [Note: CPU offload]
@@ -49,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives, _offload, _order_check, events
+from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
 from ._param import DTensorLayout, ParamSpec, ShardedParam
 from ._post_forward import PostForwardShards
@@ -73,9 +76,8 @@ class FSDPUnit:
     Args:
         module: the fully sharded module (for the wrapper: the wrapped module).
         specs: the parameters this unit owns, each with the slots that refer to it.
-        group: the process group the parameters are sharded over (or replicated across).
-        replicate: keep full parameters on every rank and all-reduce gradients (``NO_SHARD``).
-            A group of one rank is always replicated.
+        groups: the group the parameters are sharded over and the group each shard is
+            replicated across; see [Note: unit groups] in ``_groups``.
         precision: the resolved dtypes (default: none of the parameters' dtype changes).
         offload_params: keep shards and sharded gradients on the CPU (default ``False``).
             See [Note: CPU offload].
@@ -89,9 +91,8 @@ class FSDPUnit:
         self,
         module: nn.Module,
         specs: Sequence[ParamSpec],
-        group: dist.ProcessGroup,
+        groups: UnitGroups,
         *,
-        replicate: bool,
         precision: UnitPrecision | None = None,
         offload_params: bool = False,
         compute_device: torch.device | None = None,
@@ -101,14 +102,13 @@ class FSDPUnit:
         if not specs:
             raise AssertionError(f"[rank {dist.get_rank()}] FSDPUnit needs at least one parameter")
         self.module = module
-        self.group = group
+        self.groups = groups
         self.name = type(module).__name__  # the FQN once the root is known
         self.is_unsharded = False
-        self.group_size = dist.get_world_size(group)
-        self.group_rank = dist.get_rank(group)
-        self.replicate = replicate or self.group_size == 1
-        self._shard_world = 1 if self.replicate else self.group_size
-        shard_rank = 0 if self.replicate else self.group_rank
+        self._shard_world = groups.shard_size
+        self._shard_rank = groups.shard_rank
+        self._replicas = groups.replicate_size
+        self._sharded = self._shard_world > 1
 
         first = specs[0].param
         self.dtype = first.dtype  # of the sharded parameters
@@ -142,7 +142,7 @@ class FSDPUnit:
         self.streams: CudaStreams | None = None  # set by the root at lazy init on CUDA
         # Set by the root at lazy init; None: collectives go untagged. See [Note: order check].
         self.order_tags: UnitTags | None = None
-        alias = self.replicate and not offload_params and not self.precision.casts_params
+        alias = not self._sharded and not offload_params and not self.precision.casts_params
 
         numels = [
             -(-s.param.shape[0] // self._shard_world) * math.prod(s.param.shape[1:]) for s in specs
@@ -167,7 +167,7 @@ class FSDPUnit:
                     spec,
                     segment,
                     shard_world=self._shard_world,
-                    shard_rank=shard_rank,
+                    shard_rank=self._shard_rank,
                     compute_dtype=self.precision.param_dtype,
                     compute_device=self.device,
                     alias=alias,
@@ -195,7 +195,7 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ transitions
     def unshard(self, reason: events.UnshardReason = "explicit") -> None:
-        """Make the module see full parameters; one all-gather unless replicated.
+        """Make the module see full parameters; one all-gather unless unsharded.
 
         On CUDA the gather is only issued here; :meth:`wait_for_unshard` finishes it before
         compute uses the parameters. See [Note: streams and events].
@@ -277,7 +277,8 @@ class FSDPUnit:
     def post_backward(self, *, reduce: bool = True, reshard: bool = True) -> None:
         """Reshard, then reduce this backward's gradients into the sharded ``.grad``s.
 
-        Gradients are averaged over the group (see [Note: gradient averaging]) and added to any
+        Gradients are averaged over ``groups.world`` ranks (see [Note: gradient averaging]) and
+        added to any
         gradient already on the sharded parameter, so several backwards accumulate. With
         ``reduce=False`` (inside ``no_sync``) the unsharded gradients are kept and keep
         accumulating until a backward that reduces. With ``reshard=False`` the unsharded
@@ -308,12 +309,12 @@ class FSDPUnit:
     def _gather(self, dtype: torch.dtype, op: TagOp | None = None) -> torch.Tensor:
         """The flat shard on the compute device in ``dtype``, gathered over the group.
 
-        Returns a 1D tensor of ``shard_world`` blocks; for a replicated unit, the one block.
+        Returns a 1D tensor of ``shard_world`` blocks; for an unsharded unit, the one block.
         With ``op`` and order tags, each block ends with its rank's tag (see [Note: order
         check]); the parameters' data is at the same offsets either way.
         """
         tags = None
-        if op is not None and not self.replicate and _order_check.carries_tags(dtype):
+        if op is not None and self._sharded and _order_check.carries_tags(dtype):
             tags = self.order_tags
         slots = _order_check.GATHER_TAG_NUMEL if tags is not None else 0
         numel = self._flat_shard.numel()
@@ -325,16 +326,17 @@ class FSDPUnit:
             send = self._flat_send[: numel + slots]
         if send.dtype != dtype:
             send = send.to(dtype)  # the spare elements too: they are written below
-        if self.replicate:
+        group = self.groups.shard
+        if group is None or not self._sharded:
             return send
-        gathered = torch.empty(self.group_size * send.numel(), dtype=dtype, device=self.device)
+        gathered = torch.empty(self._shard_world * send.numel(), dtype=dtype, device=self.device)
         if tags is None or op is None:
-            _collectives.all_gather_flat(gathered, send, self.group, unit=self.name)
+            _collectives.all_gather_flat(gathered, send, group, unit=self.name)
             return gathered
         code = tags.code(op)
         _order_check.write_gather_tag(send, code)
-        _collectives.all_gather_flat(gathered, send, self.group, unit=self.name)
-        tags.check(code, gathered.view(self.group_size, -1)[:, numel:].reshape(-1))
+        _collectives.all_gather_flat(gathered, send, group, unit=self.name)
+        tags.check(code, gathered.view(self._shard_world, -1)[:, numel:].reshape(-1), group)
         return gathered
 
     def _copy_out(self) -> None:
@@ -354,18 +356,26 @@ class FSDPUnit:
 
     def _reduce_tags(self) -> UnitTags | None:
         """The order tags a reduction carries now, if any. See [Note: order check]."""
-        if self.group_size == 1 or not _order_check.carries_tags(self.precision.reduce_dtype):
+        if self.groups.world == 1 or not _order_check.carries_tags(self.precision.reduce_dtype):
             return None
         return self.order_tags
+
+    def _tag_slots(self) -> tuple[int, int]:
+        """Tag elements after a row of the reduce-scatter and after the all-reduce's shard."""
+        scatter = _order_check.reduce_tag_numel(self._shard_world) if self._sharded else 0
+        replicas = _order_check.reduce_tag_numel(self._replicas) if self._replicas > 1 else 0
+        return scatter, replicas
 
     def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """``(shard_world, grad numel [+ tag])`` in ``reduce_dtype``, zero padded, pre-divided.
 
-        With order tags each row ends with one digit pair per rank, all zero until
+        With order tags each row ends with one digit pair per rank of the first reduction
+        (the reduce-scatter, or the all-reduce of an unsharded unit), all zero until
         :meth:`_reduce` writes this rank's; see [Note: order check].
         """
         tags = self._reduce_tags()
-        slots = _order_check.reduce_tag_numel(self.group_size) if tags is not None else 0
+        scatter, replicas = self._tag_slots()
+        slots = (scatter if self._sharded else replicas) if tags is not None else 0
         full = torch.zeros(
             (self._shard_world, self._grad_numel + slots),
             dtype=self.precision.reduce_dtype,
@@ -374,31 +384,51 @@ class FSDPUnit:
         for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
             if grad is not None:
                 full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
-        if self.group_size > 1:
-            full.div_(self.group_size)  # See [Note: gradient averaging].
+        if self.groups.world > 1:
+            full.div_(self.groups.world)  # See [Note: gradient averaging].
         return full
 
     def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor:
-        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input."""
-        if self.group_size == 1:
-            return reduce_input.view(-1)
+        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input.
+
+        Reduce-scatter inside the shard group, then all-reduce across the replicate group; each
+        carries its own order tags (a digit pair per rank of its group), checked after it.
+        """
         numel = self._grad_numel
+        if self.groups.world == 1:
+            return reduce_input.view(-1)[:numel]
         # The input has tag columns iff ``_reduce_input`` saw order tags.
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
         code = tags.code(TagOp.REDUCE) if tags is not None else 0
-        if tags is not None:
-            _order_check.write_reduce_tag(reduce_input, code, self.group_rank, self.group_size)
-        if self.replicate:
-            reduced = reduce_input.view(-1)
-            _collectives.all_reduce_flat(reduced, self.group, unit=self.name)
-        else:
+        scatter, replicas = self._tag_slots() if tags is not None else (0, 0)
+        shard, replicate = self.groups.shard, self.groups.replicate
+        if shard is not None and self._sharded:
+            if tags is not None:
+                _order_check.write_reduce_tag(
+                    reduce_input, code, self._shard_rank, self._shard_world
+                )
             row = reduce_input.shape[1]
-            reduced = torch.empty(row, dtype=reduce_input.dtype, device=self.device)
-            _collectives.reduce_scatter_flat(
-                reduced, reduce_input.view(-1), self.group, unit=self.name
+            # Room for the all-reduce's tags after the shard, which replace the scatter's.
+            reduced = torch.empty(
+                numel + max(scatter, replicas), dtype=reduce_input.dtype, device=self.device
             )
-        if tags is not None:
-            tags.check(code, reduced[numel:])
+            _collectives.reduce_scatter_flat(
+                reduced[:row], reduce_input.view(-1), shard, unit=self.name
+            )
+            if tags is not None:
+                tags.check(code, reduced[numel:row], shard)
+        else:
+            reduced = reduce_input.view(-1)
+        if replicate is not None and self._replicas > 1:
+            payload = reduced[: numel + replicas]
+            if tags is not None:
+                payload[numel:].zero_()
+                _order_check.write_reduce_tag(
+                    payload.view(1, -1), code, self.groups.replicate_rank, self._replicas
+                )
+            _collectives.all_reduce_flat(payload, replicate, unit=self.name)
+            if tags is not None:
+                tags.check(code, payload[numel:], replicate)
         return reduced[:numel]
 
     def _store_grads(self, reduced: torch.Tensor) -> None:
@@ -414,7 +444,7 @@ class FSDPUnit:
     def gather_full_params(self) -> list[torch.Tensor]:
         """New full tensors of every parameter in the original dtype, on the compute device.
 
-        Used by ``summon_full_params``: one all-gather unless replicated, synchronous on the
+        Used by ``summon_full_params``: one all-gather unless unsharded, synchronous on the
         current stream, independent of the unsharded parameters used for compute.
         """
         blocks = self._gather(self.dtype).view(self._shard_world, -1)
@@ -459,8 +489,12 @@ class FSDPUnit:
             offset += p.shard_numel
 
     @property
-    def shard_world(self) -> int:  # ranks the parameters are sharded over (1: replicated)
+    def shard_world(self) -> int:  # ranks the parameters are sharded over (1: unsharded)
         return self._shard_world
+
+    @property
+    def shard_rank(self) -> int:  # this rank's index in the shard group
+        return self._shard_rank
 
     @property
     def flat_shard_numel(self) -> int:  # of this rank's padded flat shard

@@ -28,7 +28,12 @@ from ._runtime import (
     states_in,
 )
 from ._unit import FSDPUnit
-from ._wrapper_args import validate_wrapper_args
+from ._wrapper_args import (
+    HYBRID_STRATEGIES,
+    resolve_wrapper_groups,
+    validate_hybrid_agreement,
+    validate_wrapper_args,
+)
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -54,8 +59,14 @@ class FullyShardedDataParallel(nn.Module):
 
     Args:
         module: the module to wrap.
-        process_group: the group to shard over (default ``None``: the default group).
-        sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP`` or ``NO_SHARD``.
+        process_group: the group to shard over (default ``None``: the default group); for
+            the hybrid strategies a pair ``(shard_group, replicate_group)`` whose groups tile
+            the world as a grid (default ``None``: shard within a node, replicate across
+            nodes; see ``docs/core.md``).
+        sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP``, ``NO_SHARD``,
+            ``HYBRID_SHARD`` (``FULL_SHARD`` inside the shard group, gradients then
+            all-reduced across the replicate group) or ``_HYBRID_SHARD_ZERO2`` (the same with
+            ``SHARD_GRAD_OP``). Hybrid instances of one model must use the same groups.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps the sharded parameters and their
             gradients on the CPU and copies them to the compute device only to gather (default
             ``None``: no offload). The module must not be moved off the CPU afterwards.
@@ -87,6 +98,8 @@ class FullyShardedDataParallel(nn.Module):
             unsharded, and that unit is gathered when it is needed instead.
         use_orig_params: accepted for compatibility; fsdp_core always exposes the original
             parameters (as local shards), which is torch's ``use_orig_params=True`` behaviour.
+        device_mesh: instead of ``process_group``: a 1-D mesh, or for the hybrid strategies a
+            2-D mesh whose dim 0 replicates and dim 1 shards (default ``None``).
     """
 
     def __init__(
@@ -107,6 +120,7 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
@@ -121,12 +135,15 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel needs torch.distributed to be initialized; call "
                 "dist.init_process_group(...) before wrapping."
             )
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None  # for mypy: WORLD is set once initialized
+        groups = resolve_wrapper_groups(strategy, process_group, device_mesh)
+        group = groups.shard if groups.shard is not None else groups.replicate
+        assert group is not None  # for mypy: every strategy has one of the two
         ignored, ignored_params = _init.resolve_ignored(
             "FullyShardedDataParallel", ignored_modules, ignored_states, _is_unit
         )
-        self.process_group = group
+        self.process_group = group  # the shard group (NO_SHARD: the group it replicates over)
+        self._inter_node_pg = groups.replicate if strategy in HYBRID_STRATEGIES else None
+        self._unit_groups = groups
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.sharding_strategy = strategy
@@ -153,6 +170,7 @@ class FullyShardedDataParallel(nn.Module):
                 "forward_prefetch": forward_prefetch,
                 "limit_all_gathers": limit_all_gathers,
                 "use_orig_params": use_orig_params,
+                "device_mesh": device_mesh,
             }
             _wrap.auto_wrap(
                 module,
@@ -174,6 +192,13 @@ class FullyShardedDataParallel(nn.Module):
             module.to(device)
         self.__dict__["_fsdp_state"] = self._init_state(
             module, ignored, ignored_params, sync_module_states
+        )
+        validate_hybrid_agreement(
+            [
+                (clean_fqn(name) or "<root>", m.sharding_strategy, m._unit_groups)
+                for name, m in self.named_modules()
+                if isinstance(m, FullyShardedDataParallel)
+            ]
         )
 
     def _init_state(
@@ -204,7 +229,7 @@ class FullyShardedDataParallel(nn.Module):
         specs = [ParamSpec(clean_fqn(s.fqn), s.param, s.slots) for s in specs]
         _init.validate_no_scalars("FullyShardedDataParallel", specs)
         if sync_module_states:
-            _init.sync_module_states(module, specs, ignored, self.process_group)
+            _init.sync_module_states(module, specs, ignored, self._unit_groups)
         strategy = self.sharding_strategy
         policy = self.mixed_precision
         unit = None
@@ -212,15 +237,14 @@ class FullyShardedDataParallel(nn.Module):
             unit = FSDPUnit(
                 module,
                 specs,
-                self.process_group,
-                replicate=strategy is ShardingStrategy.NO_SHARD,
+                self._unit_groups,
                 precision=UnitPrecision.resolve(policy, specs[0].param.dtype),
                 offload_params=self.cpu_offload.offload_params,
             )
         # Ids of the original parameters this instance and its nested instances took over.
         self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | nested
         setattr(self, WRAPPED_MODULE_NAME, module)
-        full_shard = strategy is ShardingStrategy.FULL_SHARD
+        full_shard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         param_dtype = policy.param_dtype if policy is not None else None
         config = RuntimeConfig(
             # FSDP1's root keeps its parameters for backward: they are the first it needs.
@@ -481,7 +505,7 @@ class FullyShardedDataParallel(nn.Module):
         busy = [s.fqn for s in states if s.training_state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(f"clip_grad_norm_() must run between training steps; busy: {busy}")
-        return clip_grad_norm(self.parameters(), states, self.process_group, max_norm, norm)
+        return clip_grad_norm(self.parameters(), states, max_norm, norm)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:

@@ -27,7 +27,7 @@ class NoAveragingEngine(FSDPCoreEngine):
                 ) -> Any:
                     for p in unit.grad_params:
                         if p.unsharded.grad is not None:
-                            p.unsharded.grad.mul_(unit.group_size)
+                            p.unsharded.grad.mul_(unit.groups.world)
                     return original(*args, **kwargs)
 
                 unit.post_backward = post_backward

@@ -60,18 +60,19 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         unit = fsdp._unit
         if unit is None:
             continue
-        if unit.replicate:
+        group = unit.groups.shard
+        if group is None or unit.shard_world == 1:
             for sp in unit.params:
                 params[names[id(sp.sharded)]] = sp.sharded.detach().clone()
             continue
         flat = unit._flat_shard.detach()
-        blocks = [torch.empty_like(flat) for _ in range(unit.group_size)]
-        dist.all_gather(blocks, flat, group=unit.group)
-        gathered = torch.stack(blocks)  # (world, flat shard numel)
+        blocks = [torch.empty_like(flat) for _ in range(unit.shard_world)]
+        dist.all_gather(blocks, flat, group=group)  # hybrid: replicas hold the same shards
+        gathered = torch.stack(blocks)  # (shard world, flat shard numel)
         offset = 0
         for sp in unit.params:
             block = gathered[:, offset : offset + sp.shard_numel]
-            padded = block.reshape(sp.chunk_rows * unit.group_size, *sp.rest)
+            padded = block.reshape(sp.chunk_rows * unit.shard_world, *sp.rest)
             params[names[id(sp.sharded)]] = padded[: sp.rows].clone()
             offset += sp.shard_numel
     return params

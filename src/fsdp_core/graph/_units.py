@@ -110,7 +110,8 @@ def find_units(api: str, model: nn.Module) -> list[GraphUnit]:
             continue
         state = state_of(module)
         if state is not None and state.unit is not None:
-            group = state.unit.group  # the door's own group object
+            group = state.unit.groups.shard  # the door's own group object
+            assert group is not None  # a fully_shard unit always has one
         else:
             group = params[0].param.device_mesh.get_group()
         units.append(GraphUnit(unit_name, module, tuple(params), group))
