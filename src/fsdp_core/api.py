@@ -38,11 +38,11 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = enum.auto()
     """Replicate parameters (like DDP); all-reduce gradients once per unit."""
     HYBRID_SHARD = enum.auto()
-    """FULL_SHARD within a node, replicate across nodes (not implemented yet: the wrapper raises
-    NotImplementedError naming it)."""
+    """FULL_SHARD inside a shard group (default: a node), replicated across the replicate group:
+    gradients are reduce-scattered inside, then all-reduced across (see ``docs/core.md``)."""
     _HYBRID_SHARD_ZERO2 = enum.auto()
-    """SHARD_GRAD_OP within a node, replicate across nodes (not implemented yet: the wrapper
-    raises NotImplementedError naming it)."""
+    """HYBRID_SHARD keeping the unsharded parameters from forward to backward (SHARD_GRAD_OP
+    inside the shard group)."""
 
 
 class BackwardPrefetch(enum.Enum):
