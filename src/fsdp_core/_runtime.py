@@ -36,7 +36,15 @@ from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
-from .api import BackwardPrefetch, FullStateDictConfig, StateDictType, TrainingState
+from .api import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    OptimStateDictConfig,
+    StateDictConfig,
+    StateDictType,
+    TrainingState,
+)
 
 __all__ = [
     "WRAPPED_MODULE_NAME",
@@ -156,7 +164,8 @@ class FSDPState:
         self.forward_prefetch_targets: list[FSDPState] | None = None
         self.backward_prefetch_targets: list[FSDPState] | None = None
         self.state_dict_type = StateDictType.FULL_STATE_DICT
-        self.state_dict_config = FullStateDictConfig()
+        self.state_dict_config: StateDictConfig = FullStateDictConfig()
+        self.optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
         self.in_state_dict = False  # an enclosing instance is building a full state dict
         self.streams: CudaStreams | None = None  # root only, on CUDA
         self.fqn = ""

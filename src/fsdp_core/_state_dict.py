@@ -1,4 +1,5 @@
-"""Full state dicts: save and load unsharded tensors under the unwrapped names.
+"""Full state dicts: save and load unsharded tensors under the unwrapped names (the sharded and
+local ones are in ``_sharded_state_dict``, the choice between them in ``_state_dict_types``).
 
 [Note: full state dict]
 Saving summons the full parameters of every unit in the tree (``writeback=False``, honouring
@@ -26,25 +27,26 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ._full_params import summon_full_params
-from ._runtime import clean_fqn, state_of, states_in
-from .api import StateDictType
+from ._runtime import FSDPState, clean_fqn, state_of, states_in
+from .api import FullStateDictConfig, TrainingState
 
-__all__ = ["full_state_dict", "load_full_state_dict", "validate_state_dict_type"]
+__all__ = ["full_state_dict", "load_full_state_dict", "validate_idle"]
+
+IDLE = TrainingState.IDLE
 
 
-def validate_state_dict_type(state_dict_type: object) -> StateDictType:
-    if not isinstance(state_dict_type, StateDictType):
-        raise TypeError(
-            f"state_dict_type takes a StateDictType, got {state_dict_type!r}; e.g. "
-            "StateDictType.FULL_STATE_DICT."
+def validate_idle(api: str, states: list[FSDPState]) -> None:
+    """Sharded and local state dicts are taken between training steps, from the shards."""
+    busy = [s.fqn or type(s.owner).__name__ for s in states]
+    busy = [n for s, n in zip(states, busy, strict=True) if s.training_state is not IDLE]
+    unsharded = [s.fqn for s in states if s.unit is not None and s.unit.is_unsharded]
+    if busy or unsharded:
+        raise RuntimeError(
+            f"{api} with a sharded or local state dict type runs between training steps, on "
+            f"the shards; FSDP instances {busy or unsharded} are inside a step (or hold "
+            "unsharded parameters from a forward whose backward has not run). Call it after "
+            "the backward, or run that forward under torch.no_grad()."
         )
-    if state_dict_type is not StateDictType.FULL_STATE_DICT:
-        raise NotImplementedError(
-            f"{state_dict_type} is not supported yet: local and sharded state dicts come with "
-            "the sharded state dict work (a later fsdp_core issue). Use "
-            "StateDictType.FULL_STATE_DICT."
-        )
-    return state_dict_type
 
 
 def full_state_dict(module: nn.Module, prefix: str = "") -> OrderedDict[str, Any]:
@@ -52,8 +54,9 @@ def full_state_dict(module: nn.Module, prefix: str = "") -> OrderedDict[str, Any
     own = state_of(module)
     if own is None:
         raise AssertionError(f"[rank {dist.get_rank()}] full_state_dict needs an FSDP instance")
-    validate_state_dict_type(own.state_dict_type)
     config = own.state_dict_config
+    if not isinstance(config, FullStateDictConfig):
+        raise AssertionError(f"[rank {dist.get_rank()}] FULL_STATE_DICT with {config!r}")
     with (
         _plain_state_dicts(module),
         summon_full_params(
@@ -93,7 +96,6 @@ def load_full_state_dict(
     own = state_of(module)
     if own is None:
         raise AssertionError(f"[rank {dist.get_rank()}] load_full_state_dict needs FSDP")
-    validate_state_dict_type(own.state_dict_type)
     with _plain_state_dicts(module), summon_full_params(module, recurse=True, writeback=True):
         real_names = {clean_fqn(k): k for k in nn.Module.state_dict(module, keep_vars=True)}
         renamed: OrderedDict[str, Any] = OrderedDict(

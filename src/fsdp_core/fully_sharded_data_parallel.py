@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import _init, _state_dict
+from . import _init, _optim_state, _state_dict_types
 from . import wrap as _wrap
 from ._clip_grad import clip_grad_norm
 from ._full_params import apply_with_full_params
@@ -37,10 +37,8 @@ from ._wrapper_args import (
 from .api import (
     BackwardPrefetch,
     CPUOffload,
-    FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
-    StateDictType,
     TrainingState,
 )
 
@@ -373,38 +371,12 @@ class FullyShardedDataParallel(nn.Module):
         return apply_with_full_params(self, fn)
 
     # ------------------------------------------------------------------ state dicts
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: FullStateDictConfig | None = None,
-    ) -> Iterator[None]:
-        """Context manager setting the state dict layout of every FSDP instance in ``module``.
-
-        Args:
-            module: an FSDP instance or a module containing some.
-            state_dict_type: ``StateDictType.FULL_STATE_DICT`` (the default outside this
-                context); the local and sharded layouts come in a later issue and raise
-                ``NotImplementedError``.
-            state_dict_config: a ``FullStateDictConfig`` (default ``None``: its defaults).
-        """
-        _state_dict.validate_state_dict_type(state_dict_type)
-        config = state_dict_config if state_dict_config is not None else FullStateDictConfig()
-        if not isinstance(config, FullStateDictConfig):
-            raise TypeError(
-                f"state_dict_type(FULL_STATE_DICT, state_dict_config=...) takes a "
-                f"FullStateDictConfig, got {config!r}."
-            )
-        states = states_in(module)
-        previous = [(s.state_dict_type, s.state_dict_config) for s in states]
-        for state in states:
-            state.state_dict_type, state.state_dict_config = state_dict_type, config
-        try:
-            yield
-        finally:
-            for state, (kind, old_config) in zip(states, previous, strict=True):
-                state.state_dict_type, state.state_dict_config = kind, old_config
+    # See [Note: sharded state dict] and [Note: optimizer state dict] for what these do.
+    state_dict_type = staticmethod(_state_dict_types.state_dict_type)
+    set_state_dict_type = staticmethod(_state_dict_types.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict_types.get_state_dict_type)
+    optim_state_dict = staticmethod(_optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(_optim_state.optim_state_dict_to_load)
 
     def state_dict(  # type: ignore[override]
         self,
@@ -413,10 +385,12 @@ class FullyShardedDataParallel(nn.Module):
         prefix: str = "",
         keep_vars: bool = False,
     ) -> dict[str, Any]:
-        """The full state dict: unsharded tensors under the unwrapped module's names.
+        """The state dict in the layout ``state_dict_type`` sets: by default the full state
+        dict (unsharded tensors under the unwrapped module's names), or ``DTensor`` shards
+        (``SHARDED_STATE_DICT``) or flat local shards (``LOCAL_STATE_DICT``).
 
-        Every rank must call it. See ``state_dict_type`` and ``FullStateDictConfig`` for
-        ``rank0_only`` and ``offload_to_cpu``. Buffers are in their original dtype under mixed
+        Every rank must call it. See ``FullStateDictConfig`` for ``rank0_only`` and
+        ``offload_to_cpu``. Buffers are in their original dtype under mixed
         precision. Values are always detached (``keep_vars`` is accepted for compatibility).
         """
         if self._fsdp_state.in_state_dict:  # an enclosing instance is building it
@@ -426,7 +400,7 @@ class FullyShardedDataParallel(nn.Module):
                 prefix=prefix,
                 keep_vars=keep_vars,
             )
-        result = _state_dict.full_state_dict(self, prefix)
+        result = _state_dict_types.save_state_dict(self, prefix)
         if destination is None:
             return result
         destination.update(result)
@@ -435,10 +409,11 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
-        """Load a full state dict (every rank passes the whole dict).
+        """Load a state dict in the layout ``state_dict_type`` sets (by default a full state
+        dict, which every rank passes whole).
 
         Args:
-            state_dict: keys of the unwrapped module, full tensors (as ``state_dict()`` gives).
+            state_dict: keys of the unwrapped module, values as ``state_dict()`` gives them.
             strict: missing or unexpected keys raise (default ``True``).
             assign: not supported: the values are always copied into the shards.
         """
@@ -447,7 +422,7 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel.load_state_dict(assign=True) is not supported: the "
                 "full tensors are copied into the local shards. Pass assign=False."
             )
-        return _state_dict.load_full_state_dict(self, state_dict, strict=strict)
+        return _state_dict_types.load_state_dict(self, state_dict, strict=strict)
 
     # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager

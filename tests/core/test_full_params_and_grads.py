@@ -135,8 +135,8 @@ def test_full_state_dict(rank, process_group):
     with pytest.raises(RuntimeError, match=r"unexpected keys \['extra'\]"):
         model.load_state_dict({**state, "extra": torch.zeros(1)})
     for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
-        with pytest.raises(NotImplementedError, match=f"{kind} is not supported yet"):
-            with FSDP.state_dict_type(model, kind):
+        with pytest.raises(TypeError, match=r"takes a (Sharded|Local)StateDictConfig"):
+            with FSDP.state_dict_type(model, kind, config):  # a FullStateDictConfig
                 pass
 
 
