@@ -9,8 +9,9 @@ rule] (``_compare``); ``docs/parity.md`` has both.
 
 The package, by role: ``_training`` (the training loop), ``_reference`` (the data parallel and
 mixed precision references), ``_lockstep`` (the lockstep trainer and ``check_fsdp_parity``),
-``_compare`` (divergences and the rule), ``_sharded`` (sharded parameters, cross-rank states,
-full parameters) and ``_mixin`` (torch's methods for unittest-style test cases).
+``_compare`` (divergences and the rule), ``_resume`` (a DCP checkpoint resumed at another
+world size, [Note: resuming at another world size]), ``_sharded`` (sharded parameters,
+cross-rank states, full parameters) and ``_mixin`` (torch's methods for unittest-style test cases).
 """
 
 from ._compare import (
@@ -26,6 +27,7 @@ from ._compare import (
 from ._lockstep import Lockstep, StepReport, _test_fsdp_parity, check_fsdp_parity
 from ._mixin import FSDPParityMixin
 from ._reference import MixedPrecisionReference, find_test_model, reference_body
+from ._resume import ResumeReport, check_resume_parity
 from ._sharded import (
     _assert_module_states,
     assert_module_states_equal,
@@ -45,6 +47,7 @@ __all__ = [
     "Lockstep",
     "MixedPrecisionReference",
     "ParityRule",
+    "ResumeReport",
     "StepReport",
     "Tolerance",
     "TrainingLoop",
@@ -54,6 +57,7 @@ __all__ = [
     "_train_for_several_steps",
     "assert_module_states_equal",
     "check_fsdp_parity",
+    "check_resume_parity",
     "check_sharded_parity",
     "compare_named",
     "find_test_model",

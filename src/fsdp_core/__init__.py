@@ -20,6 +20,7 @@ Layout (one role per module):
 - ``_sharded_state_dict``: sharded (``DTensor``) and local state dict save and load.
 - ``_state_dict_types``: ``state_dict_type`` settings and the save/load dispatch on them.
 - ``_optim_state``: optimizer state dicts keyed by parameter name (full, sharded, local).
+- ``checkpoint``: DCP ``get_state_dict``/``set_state_dict``/``save``/``load`` for both doors.
 - ``_clip_grad``: gradient norm clipping over all shards.
 - ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
 - ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.

@@ -1,0 +1,255 @@
+"""Resume parity: a run checkpointed with DCP and resumed at another world size continues with
+the losses of the uninterrupted run.
+
+[Note: resuming at another world size]
+The harness launches one world per test, so :func:`check_resume_parity` runs both world sizes
+inside it on subgroups: the ranks ``0 .. from_world - 1`` of ``process_group`` train first and
+the ranks ``0 .. to_world - 1`` resume, each phase on its own ``dist.new_group`` (the launched
+world must hold ``max(from_world, to_world)`` ranks; the others wait at a barrier). The
+checkpoint directory must be one that every rank sees: pytest's ``tmp_path`` is made in the
+parent and travels to every rank, so it is.
+
+For the losses of two world sizes to be comparable every step consumes one *global* batch
+(``get_batch(step)``), split by rows across the ranks of the phase: with equal row counts
+per rank the average of the ranks' mean losses (what the reported loss is) and of their
+gradients (what the engines reduce) is the global batch's, at any world size.
+
+1. Phase A (``from_world`` ranks): build, shard, train ``num_steps`` steps, recording every
+   loss (the reference); after step ``save_after`` save the model and optimizer state with
+   ``fsdp_core.checkpoint.save`` (``dcp.save`` of the state dicts of its ``get_state_dict``:
+   DCP's own for the composable door and torch's engines, the wrapper's
+   ``SHARDED_STATE_DICT`` for ``fsdp_core.FSDP``) and keep the full parameters.
+2. Phase B (``to_world`` ranks): build and shard a fresh model (``resume_shard``, another door
+   if given), ``fsdp_core.checkpoint.load`` the checkpoint (``dcp.load`` into its state dicts,
+   then ``set_state_dict``), and train
+   steps ``save_after .. num_steps - 1``.
+3. Compare, on every rank: the full parameters right after loading must equal the saved ones
+   bitwise (a load moves bytes, no arithmetic); the resumed losses must equal the reference's,
+   bitwise when the world size is unchanged, else within ``tolerance`` (default
+   ``FP32_TOLERANCE``: the reductions sum the ranks' terms in another order).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._compare import FP32_TOLERANCE, Tolerance, compare_named, format_divergences
+
+__all__ = ["ResumeReport", "check_resume_parity"]
+
+Shard = Callable[[nn.Module, dist.ProcessGroup], nn.Module]
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What :func:`check_resume_parity` compared (every rank gets the same report)."""
+
+    from_world: int
+    to_world: int
+    save_after: int
+    #: The uninterrupted run's loss at every step (phase A).
+    reference_losses: tuple[float, ...]
+    #: The resumed run's losses, steps ``save_after`` onwards (phase B).
+    resumed_losses: tuple[float, ...]
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _mean_square(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).float().pow(2).mean()
+
+
+def check_resume_parity(
+    build_model: Callable[[], nn.Module],
+    shard: Shard,
+    get_batch: Callable[[int], torch.Tensor],
+    *,
+    process_group: dist.ProcessGroup,
+    checkpoint_dir: str | os.PathLike[str],
+    from_world: int,
+    to_world: int,
+    num_steps: int = 4,
+    save_after: int = 2,
+    resume_shard: Shard | None = None,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _adamw,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _mean_square,
+    tolerance: Tolerance = FP32_TOLERANCE,
+) -> ResumeReport:
+    """Train at ``from_world``, checkpoint with DCP, resume at ``to_world``, compare with the
+    uninterrupted run; raise ``AssertionError`` on every rank if they differ. See
+    [Note: resuming at another world size]. Every rank of the default group must call it.
+
+    Args:
+        build_model: a new unsharded model, identical on every rank and every call.
+        shard: ``shard(model, group)`` applies the engine (e.g. ``fsdp_core.FSDP`` or
+            ``fully_shard`` on ``DeviceMesh.from_group(group, ...)``) and returns the model.
+        get_batch: the global batch of a step (rows divisible by both world sizes).
+        process_group: the launched group, at least ``max(from_world, to_world)`` ranks.
+        checkpoint_dir: a directory every rank sees (``tmp_path``).
+        from_world: ranks of the uninterrupted run.
+        to_world: ranks of the resumed run.
+        num_steps: steps of the uninterrupted run (default 4).
+        save_after: the checkpoint is taken after this many steps (default 2).
+        resume_shard: the engine of the resumed run (default ``None``: ``shard``).
+        make_optimizer: builds the optimizer (default AdamW, lr 1e-2, weight decay 0.01).
+        loss_fn: ``loss_fn(model, local_batch)``, a mean over the rows (default: mean square
+            of the output).
+        tolerance: for losses across different world sizes (default ``FP32_TOLERANCE``).
+    """
+    world = dist.get_world_size(process_group)
+    if not (1 <= from_world <= world and 1 <= to_world <= world):
+        raise ValueError(
+            f"check_resume_parity: from_world={from_world} and to_world={to_world} must be "
+            f"between 1 and the launched world size {world}; launch "
+            f"max(from_world, to_world) = {max(from_world, to_world)} ranks."
+        )
+    if not 0 < save_after < num_steps:
+        raise ValueError(
+            f"check_resume_parity: save_after={save_after} must be between 1 and "
+            f"num_steps - 1 = {num_steps - 1}."
+        )
+    _forget_dtensor_meshes()
+    group_a = _first_ranks(process_group, from_world)
+    group_b = _first_ranks(process_group, to_world)
+    reference: list[float] = []
+    saved: dict[str, torch.Tensor] = {}
+    if group_a is not None:
+        model = shard(build_model(), group_a)
+        optim = make_optimizer(model.parameters())
+        for step in range(num_steps):
+            reference.append(_train_step(model, optim, loss_fn, get_batch(step), group_a))
+            if step + 1 == save_after:
+                _save(model, optim, checkpoint_dir, group_a)
+                saved = _full_state(model)
+    dist.barrier(group=process_group)  # the checkpoint is complete before anyone loads it
+    resumed: list[float] = []
+    loaded: dict[str, torch.Tensor] = {}
+    if group_b is not None:
+        model = (resume_shard or shard)(build_model(), group_b)
+        optim = make_optimizer(model.parameters())
+        _load(model, optim, checkpoint_dir, group_b)
+        loaded = _full_state(model)
+        for step in range(save_after, num_steps):
+            resumed.append(_train_step(model, optim, loss_fn, get_batch(step), group_b))
+    # Rank 0 is in both phases: its view decides, and every rank raises the same error.
+    message = _compare(
+        saved, loaded, reference, resumed, save_after, from_world, to_world, tolerance
+    )
+    shared: list[Any] = [(message, tuple(reference), tuple(resumed))]
+    dist.broadcast_object_list(
+        shared, src=dist.get_global_rank(process_group, 0), group=process_group
+    )
+    message, reference_losses, resumed_losses = shared[0]
+    if message:
+        raise AssertionError(f"[rank {dist.get_rank()}] {message}")
+    return ResumeReport(from_world, to_world, save_after, reference_losses, resumed_losses)
+
+
+def _forget_dtensor_meshes() -> None:
+    """Drop DTensor's sharding propagation caches (Python and C++ fast path). Their keys
+    compare meshes by ranks only, so an entry made by an earlier test on a subgroup of the same
+    ranks (destroyed since by the warm rank's state reset) would hand this test's DTensors
+    that stale mesh, whose group no longer resolves ("Could not resolve the process group
+    registered under the name ...")."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+def _first_ranks(group: dist.ProcessGroup, n: int) -> dist.ProcessGroup | None:
+    """The group of ``group``'s first ``n`` ranks, or ``None`` on the ranks outside it."""
+    ranks = dist.get_process_group_ranks(group)
+    sub = group if n == len(ranks) else dist.new_group(ranks=ranks[:n])
+    return sub if dist.get_rank(group) < n else None
+
+
+def _train_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> float:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if batch.shape[0] % size:
+        raise ValueError(
+            f"check_resume_parity: the global batch has {batch.shape[0]} rows, which {size} "
+            "ranks cannot split evenly; return a row count divisible by both world sizes "
+            "(12 serves 2, 3 and 4)."
+        )
+    device = next(iter(model.parameters())).device
+    loss = loss_fn(model, batch.chunk(size)[rank].to(device))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    total = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(total, group=group)
+    return float(total.item()) / size
+
+
+def _save(model: nn.Module, optim: torch.optim.Optimizer, path: Any, group: Any) -> None:
+    from fsdp_core.checkpoint import save
+
+    save(model, optim, checkpoint_id=path, process_group=group)
+
+
+def _load(model: nn.Module, optim: torch.optim.Optimizer, path: Any, group: Any) -> None:
+    from fsdp_core.checkpoint import load
+
+    load(model, optim, checkpoint_id=path, process_group=group)
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full copies of the model's parameters and buffers, by name (collective)."""
+    from fsdp_core.checkpoint import get_state_dict
+
+    model_sd, _ = get_state_dict(model, ())
+    full = {}
+    for name, value in model_sd.items():
+        gather = getattr(value, "full_tensor", None)
+        full[name] = (gather() if gather is not None else value).detach().cpu().clone()
+    return full
+
+
+def _compare(
+    saved: dict[str, torch.Tensor],
+    loaded: dict[str, torch.Tensor],
+    reference: list[float],
+    resumed: list[float],
+    save_after: int,
+    from_world: int,
+    to_world: int,
+    tolerance: Tolerance,
+) -> str:
+    what = f"resumed at world size {to_world} from a checkpoint saved at {from_world}"
+    divergences = compare_named(sorted(saved.items()), sorted(loaded.items()), exact=True)
+    if divergences:
+        return (
+            f"check_resume_parity: the model {what} after step {save_after} does not hold the "
+            f"saved state:\n{format_divergences(divergences)}"
+        )
+    expected = torch.tensor(reference[save_after:], dtype=torch.float64)
+    actual = torch.tensor(resumed, dtype=torch.float64)
+    exact = from_world == to_world
+    close = (
+        torch.equal(expected, actual)
+        if exact
+        else torch.allclose(actual, expected, rtol=tolerance.rtol, atol=tolerance.atol)
+    )
+    if close:
+        return ""
+    rule = "bitwise" if exact else f"within rtol={tolerance.rtol}, atol={tolerance.atol}"
+    return (
+        f"check_resume_parity: the run {what} diverged from the uninterrupted run ({rule}): "
+        f"losses from step {save_after} on: uninterrupted {reference[save_after:]}, "
+        f"resumed {resumed}."
+    )
