@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from ._checkpoint_row import checkpoint_configs, parse_reshard, run_checkpoint_rows
 from ._matrix import AXES, DEFAULTS, Config, build_matrix, parse_axis
 from ._render import ProgressDisplay, echo, make_console
 from ._report import (
@@ -63,6 +64,12 @@ def add_parser(subparsers: Any) -> None:
         help="strict (default): communication that differs from the theoretical volume is a "
         "mismatch; report: show it without failing (e.g. to compare torch's engines)",
     )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="FROM:TO",
+        help="also run a checkpoint row per engine: save with DCP at FROM ranks, resume at TO "
+        "ranks, compare the losses with the uninterrupted run's (e.g. 4:2)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write a JSON report")
     parser.add_argument("--junit-xml", metavar="PATH", help="write a JUnit XML report")
     parser.set_defaults(run=run)
@@ -76,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.world_size < 1 or args.steps < 1:
         print("fsdp-testing check: --world-size and --steps must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        reshard = parse_reshard(args.checkpoint) if args.checkpoint else None
+    except ValueError as error:
+        print(f"fsdp-testing check: {error}", file=sys.stderr)
         return 2
     configs = build_matrix(selection)
     console = make_console()
@@ -93,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         strict_comm=args.comm == "strict",
         console=console,
     )
+    if reshard is not None:  # see [Note: checkpoint rows]
+        configs = checkpoint_configs(selection["engine"], reshard)
+        rows += run_checkpoint_rows(configs, timeout=args.timeout, console=console)
     total = time.monotonic() - started
     print_results(console, rows, total)
     meta = {"world_size": args.world_size, "steps": args.steps, "time_s": round(total, 3)}
