@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_core.checkpoint
-from fsdp_core import FSDP, StateDictType, fully_shard
+from fsdp_core import FSDP, ShardingStrategy, StateDictType, fully_shard
 from fsdp_testing.parity import check_resume_parity
 
 from ._models import NestedModel, build, wrap_model
@@ -165,3 +165,36 @@ def test_loading_a_checkpoint_of_other_shapes_names_the_parameter(door, process_
         fsdp_core.checkpoint.load(wider, checkpoint_id=tmp_path)
     with pytest.raises(ValueError, match=r"Build the model with the configuration"):
         fsdp_core.checkpoint.load(wider, checkpoint_id=tmp_path)
+
+
+def _hybrid(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    assert dist.get_world_size(group) == 4  # the launched world: a 2 x 2 grid
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
+    hybrid = ShardingStrategy.HYBRID_SHARD
+    assert isinstance(model, NestedModel)
+    model.block = FSDP(model.block, device_mesh=mesh, sharding_strategy=hybrid)
+    return FSDP(model, device_mesh=mesh, sharding_strategy=hybrid)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_hybrid_shard_checkpoint_resumes_fully_sharded_at_two_ranks(rank, process_group, tmp_path):
+    """HYBRID_SHARD's sharded state dict lays each parameter out on the 2-D mesh
+    (Replicate(), Shard(0)); its checkpoint resumes under FULL_SHARD
+    at world size 2 with the uninterrupted hybrid run's losses."""
+    model = _hybrid(_build(), process_group)
+    full = model.state_dict()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    for name, value in sharded.items():
+        assert isinstance(value, DTensor) and value.placements == (Replicate(), Shard(0)), name
+        assert torch.equal(value.full_tensor(), full[name]), name
+    check_resume_parity(
+        _build,
+        _hybrid,
+        _batch,
+        process_group=process_group,
+        checkpoint_dir=tmp_path,
+        from_world=4,
+        to_world=2,
+        resume_shard=_wrapper,
+    )
