@@ -35,12 +35,18 @@ def test_state_changes_do_not_reach_the_next_test(pooled: tuple[Run, dict]) -> N
 
 def test_ranks_are_reused_between_passing_tests(pooled: tuple[Run, dict]) -> None:
     _, pids = pooled
-    assert pids["a"] == pids["b"] == pids["b2"] == pids["c"]
+    assert pids["a"] == pids["b"] == pids["b2"] == pids["b3"] == pids["c"]
 
 
 def test_a_new_group_after_a_reset_gets_a_fresh_name(pooled: tuple[Run, dict]) -> None:
     run, _ = pooled
     case = run.cases["test_b2_new_group_after_a_reset"]
+    assert case.outcome == "passed", case.text
+
+
+def test_dtensor_caches_forget_a_destroyed_group(pooled: tuple[Run, dict]) -> None:
+    run, _ = pooled
+    case = run.cases["test_b3_dtensor_on_a_new_group_over_the_same_ranks"]
     assert case.outcome == "passed", case.text
 
 

@@ -25,8 +25,9 @@ def test_a_changes_state(rank):
     _note("a", rank)
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234 + rank)
+    group = dist.new_group([0, 1])
+    assert _dtensor_sum(group) == 24  # leaves an entry in DTensor's sharding caches
     dist.all_reduce = lambda *a, **k: None
-    dist.new_group([0, 1])
     torch.set_grad_enabled(False)
     dist.my_helper = "added by the test"
     importlib.import_module("torch.distributed._functional_collectives")  # a lazy submodule
@@ -61,6 +62,22 @@ def test_b2_new_group_after_a_reset(rank):
     t = torch.ones(1)
     dist.all_reduce(t, group=group)
     assert t.item() == 2
+
+
+@pytest.mark.distributed(world_size=2, timeout=20)
+def test_b3_dtensor_on_a_new_group_over_the_same_ranks(rank):
+    _note("b3", rank)
+    # DTensor's caches compare meshes by ranks: test_a's destroyed group must not come back.
+    assert _dtensor_sum(dist.new_group([0, 1])) == 24
+
+
+def _dtensor_sum(group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    local = torch.ones(2, 3, dtype=torch.float32)
+    return (DTensor.from_local(local, mesh, (Shard(0),)) * 2).detach().full_tensor().sum()
 
 
 @pytest.mark.distributed(world_size=2)
