@@ -134,8 +134,8 @@ def _resolve_mesh(
         mesh = _data_parallel_mesh(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP, dims ('replicate', "
-            f"'shard')), got a {mesh.ndim}-D mesh {mesh}. Pass init_device_mesh(type, "
+            f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP), got a {mesh.ndim}-D mesh "
+            f"{mesh}; a 2-D mesh's dims are ('replicate', 'shard'). Pass init_device_mesh(type, "
             "(world,)), slice the data-parallel dimensions out of yours (mesh['replicate', "
             "'shard']), or name them with dp_mesh_dims=DataParallelMeshDims(shard=..., "
             "replicate=...)."
