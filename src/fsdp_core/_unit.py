@@ -56,6 +56,7 @@ from ._order_check import TagOp, UnitTags
 from ._param import DTensorLayout, ParamSpec, ShardedParam
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
+from ._reduce import input_tag_slots, reduce_gradients
 from ._streams import CudaStreams
 
 __all__ = ["FSDPUnit"]
@@ -360,12 +361,6 @@ class FSDPUnit:
             return None
         return self.order_tags
 
-    def _tag_slots(self) -> tuple[int, int]:
-        """Tag elements after a row of the reduce-scatter and after the all-reduce's shard."""
-        scatter = _order_check.reduce_tag_numel(self._shard_world) if self._sharded else 0
-        replicas = _order_check.reduce_tag_numel(self._replicas) if self._replicas > 1 else 0
-        return scatter, replicas
-
     def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """``(shard_world, grad numel [+ tag])`` in ``reduce_dtype``, zero padded, pre-divided.
 
@@ -373,9 +368,7 @@ class FSDPUnit:
         (the reduce-scatter, or the all-reduce of an unsharded unit), all zero until
         :meth:`_reduce` writes this rank's; see [Note: order check].
         """
-        tags = self._reduce_tags()
-        scatter, replicas = self._tag_slots()
-        slots = (scatter if self._sharded else replicas) if tags is not None else 0
+        slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
         full = torch.zeros(
             (self._shard_world, self._grad_numel + slots),
             dtype=self.precision.reduce_dtype,
@@ -389,47 +382,12 @@ class FSDPUnit:
         return full
 
     def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor:
-        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input.
-
-        Reduce-scatter inside the shard group, then all-reduce across the replicate group; each
-        carries its own order tags (a digit pair per rank of its group), checked after it.
-        """
+        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input; see
+        ``_reduce.reduce_gradients``."""
         numel = self._grad_numel
-        if self.groups.world == 1:
-            return reduce_input.view(-1)[:numel]
         # The input has tag columns iff ``_reduce_input`` saw order tags.
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
-        code = tags.code(TagOp.REDUCE) if tags is not None else 0
-        scatter, replicas = self._tag_slots() if tags is not None else (0, 0)
-        shard, replicate = self.groups.shard, self.groups.replicate
-        if shard is not None and self._sharded:
-            if tags is not None:
-                _order_check.write_reduce_tag(
-                    reduce_input, code, self._shard_rank, self._shard_world
-                )
-            row = reduce_input.shape[1]
-            # Room for the all-reduce's tags after the shard, which replace the scatter's.
-            reduced = torch.empty(
-                numel + max(scatter, replicas), dtype=reduce_input.dtype, device=self.device
-            )
-            _collectives.reduce_scatter_flat(
-                reduced[:row], reduce_input.view(-1), shard, unit=self.name
-            )
-            if tags is not None:
-                tags.check(code, reduced[numel:row], shard)
-        else:
-            reduced = reduce_input.view(-1)
-        if replicate is not None and self._replicas > 1:
-            payload = reduced[: numel + replicas]
-            if tags is not None:
-                payload[numel:].zero_()
-                _order_check.write_reduce_tag(
-                    payload.view(1, -1), code, self.groups.replicate_rank, self._replicas
-                )
-            _collectives.all_reduce_flat(payload, replicate, unit=self.name)
-            if tags is not None:
-                tags.check(code, payload[numel:], replicate)
-        return reduced[:numel]
+        return reduce_gradients(reduce_input, numel, self.groups, tags, unit=self.name)
 
     def _store_grads(self, reduced: torch.Tensor) -> None:
         grad = reduced.to(self.precision.grad_dtype)

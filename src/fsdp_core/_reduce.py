@@ -1,0 +1,82 @@
+"""A unit's gradient reduction over its groups: reduce-scatter inside the shard group, then
+all-reduce of the reduced shard across the replicate group, each step skipped over a group of
+one (see [Note: unit groups] in ``_groups``). Each collective carries its own order tags, one
+digit pair per rank of its group, checked after it (see [Note: order check] in
+``_order_check``): the all-reduce's pairs replace the reduce-scatter's in the same spare
+elements after the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _collectives, _order_check
+from ._groups import UnitGroups
+from ._order_check import TagOp, UnitTags
+
+__all__ = ["input_tag_slots", "reduce_gradients"]
+
+
+def _tag_slots(groups: UnitGroups) -> tuple[int, int]:
+    """Tag elements after a row of the reduce-scatter and after the all-reduce's shard."""
+    shard, replicas = groups.shard_size, groups.replicate_size
+    return (
+        _order_check.reduce_tag_numel(shard) if shard > 1 else 0,
+        _order_check.reduce_tag_numel(replicas) if replicas > 1 else 0,
+    )
+
+
+def input_tag_slots(groups: UnitGroups) -> int:
+    """Tag elements after each row of the reduction's input: for its first collective (the
+    reduce-scatter, or the all-reduce of an unsharded unit)."""
+    scatter, replicas = _tag_slots(groups)
+    return scatter if groups.shard_size > 1 else replicas
+
+
+def reduce_gradients(
+    reduce_input: torch.Tensor,
+    numel: int,
+    groups: UnitGroups,
+    tags: UnitTags | None,
+    *,
+    unit: str,
+) -> torch.Tensor:
+    """This rank's summed gradient shard (1D, ``numel``) from the pre-divided input.
+
+    Args:
+        reduce_input: ``(shard size, numel [+ input_tag_slots])``, written in place.
+        numel: gradient elements per row.
+        groups: the unit's groups.
+        tags: the order tags to send and check, or ``None`` (then the rows have no tag
+            columns).
+        unit: the unit's name, for the events.
+    """
+    if groups.world == 1:
+        return reduce_input.view(-1)[:numel]
+    code = tags.code(TagOp.REDUCE) if tags is not None else 0
+    scatter, replicas = _tag_slots(groups) if tags is not None else (0, 0)
+    shard, replicate = groups.shard, groups.replicate
+    if shard is not None and groups.shard_size > 1:
+        if tags is not None:
+            _order_check.write_reduce_tag(reduce_input, code, groups.shard_rank, groups.shard_size)
+        row = reduce_input.shape[1]
+        # Room for the all-reduce's tags after the shard, which replace the scatter's.
+        reduced = torch.empty(
+            numel + max(scatter, replicas), dtype=reduce_input.dtype, device=reduce_input.device
+        )
+        _collectives.reduce_scatter_flat(reduced[:row], reduce_input.view(-1), shard, unit=unit)
+        if tags is not None:
+            tags.check(code, reduced[numel:row], shard)
+    else:
+        reduced = reduce_input.view(-1)
+    if replicate is not None and groups.replicate_size > 1:
+        payload = reduced[: numel + replicas]
+        if tags is not None:
+            payload[numel:].zero_()
+            _order_check.write_reduce_tag(
+                payload.view(1, -1), code, groups.replicate_rank, groups.replicate_size
+            )
+        _collectives.all_reduce_flat(payload, replicate, unit=unit)
+        if tags is not None:
+            tags.check(code, payload[numel:], replicate)
+    return reduced[:numel]
