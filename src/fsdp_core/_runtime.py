@@ -59,7 +59,8 @@ __all__ = [
 # The attribute under which the wrapper door keeps the wrapped module; never part of a name.
 WRAPPED_MODULE_NAME = "_fsdp_wrapped_module"
 
-# With limit_all_gathers, a prefetch is skipped while this many non-root units are unsharded.
+# With limit_all_gathers, a prefetch is skipped while this many non-root units are unsharded
+# (gathered: replicated units do not count).
 _MAX_UNSHARDED_FOR_PREFETCH = 2
 
 
@@ -465,10 +466,15 @@ class FSDPState:
             return
         if self.config.limit_all_gathers and not explicit:
             root = self._root()
+            # A replicated unit (shard world 1) holds its full parameters without gathering
+            # them: nothing to limit, so it does not count.
             unsharded = sum(
                 1
                 for s in root.all_states
-                if s is not root and s.unit is not None and s.unit.is_unsharded
+                if s is not root
+                and s.unit is not None
+                and s.unit.shard_world > 1
+                and s.unit.is_unsharded
             )
             if unsharded >= _MAX_UNSHARDED_FOR_PREFETCH:
                 return

@@ -404,3 +404,28 @@ def test_a_weight_tied_out_of_the_replicated_module_moves_to_the_root(rank, proc
         ddp.module.named_parameters(), model.named_parameters(), strict=True
     ):
         torch.testing.assert_close(_full(q), p.detach(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_replicated_unit_does_not_hold_back_backward_prefetch(rank, process_group):
+    # limit_all_gathers skips a prefetch while two non-root units are gathered. A replicated
+    # unit holds its full parameters from its forward to the end of backward, but it was never
+    # gathered (nothing to limit), so it must not count.
+    from fsdp_core import events
+
+    mesh = _mesh(process_group)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    replicate(model[0], mesh=mesh)
+    for block in model[1:]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 4)).sum().backward()  # first iteration: the order is recorded
+    seen: list[events.Event] = []
+    with events.subscribe(seen.append):
+        model(torch.ones(2, 4)).sum().backward()
+    unshards = [(e.unit, e.reason) for e in seen if isinstance(e, events.Unshard)]
+    # Backward runs 3, 2, 1, then the replicated 0: while 3 computes, 2 is prefetched, and
+    # while 2 computes, 1; only 3 was gathered by backward itself.
+    backward = [u for u in unshards if u[1] != "forward"]
+    assert backward == [("3", "backward"), ("2", "backward_prefetch"), ("1", "backward_prefetch")]
