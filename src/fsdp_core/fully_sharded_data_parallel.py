@@ -175,6 +175,7 @@ class FullyShardedDataParallel(nn.Module):
                 auto_wrap_policy,
                 lambda m, **kw: type(self)(m, process_group, **{**child_kwargs, **kw}),
                 ignored,
+                ignored_params,
             )
         device = _init.device_from_id(_API, device_id) if device_id is not None else None
         _init.materialize_meta_module(

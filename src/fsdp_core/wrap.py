@@ -142,15 +142,21 @@ def auto_wrap(
     policy: WrapPolicy,
     wrap_fn: Callable[..., nn.Module],
     ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """Wrap ``module``'s descendants bottom-up as ``policy`` says (``module`` itself is not)."""
+    """Wrap ``module``'s descendants bottom-up as ``policy`` says (``module`` itself is not).
+
+    ``nonwrapped_numel`` leaves out the parameters of ``ignored_modules`` and
+    ``ignored_params``, as torch's recursive wrap does: FSDP will not shard them.
+    """
     if not callable(policy):
         raise TypeError(
             f"auto_wrap_policy must be a callable policy(module, recurse, nonwrapped_numel) "
             f"such as ModuleWrapPolicy(...), got {policy!r}."
         )
-    ignored_params = {id(p) for m in ignored_modules for p in m.parameters()}
-    _wrap_children(module, policy, wrap_fn, ignored_modules, ignored_params)
+    ignored_ids = {id(p) for m in ignored_modules for p in m.parameters()}
+    ignored_ids |= {id(p) for p in ignored_params or ()}
+    _wrap_children(module, policy, wrap_fn, ignored_modules, ignored_ids)
 
 
 def _numel(module: nn.Module, ignored_params: set[int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_core import FSDP, events
-from fsdp_core.wrap import ModuleWrapPolicy
+from fsdp_core.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from ._models import NestedModel, get_input
 from ._parity import full_params
@@ -157,6 +158,18 @@ def test_ignored_parameters_stay_local_and_unmanaged(rank, process_group, form):
     assert not torch.equal(grads[0], grads[1])  # not averaged across ranks
     for name, param in kept.items():
         assert torch.equal(param.grad, ref.get_parameter(name).grad), name
+
+
+@pytest.mark.distributed(world_size=2)
+def test_size_based_auto_wrap_leaves_ignored_parameters_out_of_the_count(rank, process_group):
+    """As torch's recursive wrap: nonwrapped_numel counts only what FSDP will shard, so a
+    child whose parameters are mostly ignored falls under the threshold and stays unwrapped."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))  # 110 parameters each
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=50)
+    model = FSDP(plain, process_group, auto_wrap_policy=policy, ignored_states=[plain[0].weight])
+    wrapped = [name for name, m in model.named_modules() if isinstance(m, FSDP) and name]
+    assert wrapped == ["_fsdp_wrapped_module.1"]  # child 0 counts its 10-element bias only
 
 
 @pytest.mark.distributed(world_size=2)
