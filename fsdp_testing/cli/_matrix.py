@@ -11,10 +11,13 @@ import itertools
 __all__ = [
     "AXES",
     "DEFAULTS",
+    "HYBRID_GRID",
+    "HYBRID_STRATEGIES",
     "MODELS",
     "Config",
     "build_matrix",
     "parse_axis",
+    "row_world_size",
 ]
 
 #: Reference models by command-line name: (class in ``fsdp_testing.models``, reference kind).
@@ -31,7 +34,7 @@ MODELS: dict[str, tuple[str, str]] = {
 #: Every axis with the values it accepts.
 AXES: dict[str, tuple[str, ...]] = {
     "model": tuple(MODELS),
-    "strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+    "strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"),
     "prefetch": ("none", "BACKWARD_PRE", "BACKWARD_POST"),
     "offload": ("off", "on"),
     "mp": ("off", "bf16", "fp16", "bf16/fp32", "fp16/fp32"),
@@ -44,11 +47,19 @@ AXES: dict[str, tuple[str, ...]] = {
     ),
 }
 
-#: The default matrix (180 rows, about a minute on two CPU cores): every model, strategy,
-#: prefetch mode and offload setting, in full precision and in bf16 with fp32 reduction.
+#: Hybrid sharding (HSDP) strategies: their rows run at world size 4 as a 2 x 2 grid of ranks
+#: whatever ``--world-size`` says. See [Note: hybrid rows] in ``_hybrid.py``.
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+#: The hybrid rows' grid: (replicate groups, shard group size); mesh dims (replicate, shard).
+HYBRID_GRID = (2, 2)
+
+#: The default matrix (180 rows, about half a minute on two CPU cores): every model, the three
+#: single-group strategies, every prefetch mode and offload setting, in full precision and in
+#: bf16 with fp32 reduction. Hybrid rows (4 ranks each) are asked for with ``--strategy``.
 DEFAULTS: dict[str, tuple[str, ...]] = {
     "model": ("nested", "always_wrap", "transformer", "nonuniform", "moe"),
-    "strategy": AXES["strategy"],
+    "strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
     "prefetch": AXES["prefetch"],
     "offload": ("off", "on"),
     "mp": ("off", "bf16/fp32"),
@@ -87,6 +98,11 @@ class Config:
         )
 
     @property
+    def hybrid(self) -> bool:
+        """A hybrid sharding row (4 ranks, 2 x 2)."""
+        return self.strategy in HYBRID_STRATEGIES
+
+    @property
     def engine_name(self) -> str:
         return self.engine.rpartition(":")[2] if ":" in self.engine else self.engine
 
@@ -116,3 +132,10 @@ def build_matrix(selection: dict[str, tuple[str, ...]]) -> list[Config]:
     order = ("engine", "model", "strategy", "prefetch", "offload", "mp")
     rows = itertools.product(*(selection[axis] for axis in order))
     return [Config(**dict(zip(order, row, strict=True))) for row in rows]
+
+
+def row_world_size(config: Config, world_size: int) -> int:
+    """The ranks one row runs on: ``world_size`` (``--world-size``), or the hybrid grid's."""
+    if config.hybrid:
+        return HYBRID_GRID[0] * HYBRID_GRID[1]
+    return world_size

@@ -56,6 +56,8 @@ class CollectiveCall:
     group_size: int
     start_ns: int
     end_ns: int
+    group_ranks: tuple[int, ...] = ()
+    """The global ranks of its process group."""
 
 
 def _nbytes(value: Any, is_list: bool) -> int:
@@ -110,9 +112,10 @@ class CollectiveLog:
                 end = time.perf_counter_ns()
                 bound = signature.bind(*args, **kwargs).arguments
                 group = bound.get("group")
-                world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+                group = group if group is not None else dist.group.WORLD
+                ranks = tuple(dist.get_process_group_ranks(group))
                 size = _nbytes(bound[sized], is_list)
-                self.calls.append(CollectiveCall(name, kind, size, world, start, end))
+                self.calls.append(CollectiveCall(name, kind, size, len(ranks), start, end, ranks))
 
         watched.__wrapped__ = original  # type: ignore[attr-defined]
         return watched
@@ -129,6 +132,19 @@ class CollectiveLog:
                 continue
             count, size = out.get(call.kind, (0, 0))
             out[call.kind] = (count + 1, size + call.bytes)
+        return out
+
+    def by_group(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """``kind -> {"r0,r1,...": (number of calls, bytes)}``: :meth:`totals` split by the
+        global ranks of each call's group."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for call in self.calls:
+            if call.group_size == 1:
+                continue
+            groups = out.setdefault(call.kind, {})
+            key = ",".join(map(str, call.group_ranks))
+            count, size = groups.get(key, (0, 0))
+            groups[key] = (count + 1, size + call.bytes)
         return out
 
 

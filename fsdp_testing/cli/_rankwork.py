@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ._hybrid import MeshEngine, expected_groups, hybrid_mesh
 from ._matrix import MODELS, Config
 from ._measure import (
     CollectiveLog,
@@ -73,13 +74,19 @@ class TrainingSetup:
     """
 
     def __init__(self, config: Config, ctx: Any) -> None:
+        import torch
+
         from fsdp_testing import models
         from fsdp_testing.engines import resolve_engine
         from fsdp_testing.parity import Lockstep
 
         class_name, reference = MODELS[config.model]
         self.device = ctx.device
-        self.engine = resolve_engine(config.engine)
+        self.engine: Any = resolve_engine(config.engine)
+        self.mesh: Any = None
+        if config.hybrid:  # see [Note: hybrid rows]
+            self.mesh = hybrid_mesh(torch.device(ctx.device).type)
+            self.engine = MeshEngine(self.engine, self.mesh)
         self.lockstep = Lockstep.build(
             getattr(models, class_name),
             process_group=ctx.process_group,
@@ -131,6 +138,7 @@ class CheckCase:
         failures: list[str] = []
         step_times: list[float] = []
         comm: list[dict[str, tuple[int, int]]] = []
+        by_group: dict[str, dict[str, tuple[int, int]]] = {}
 
         @contextlib.contextmanager
         def measured() -> Iterator[None]:
@@ -146,21 +154,34 @@ class CheckCase:
                 step_times.clear()  # see [Note: lockstep rows]
             else:
                 comm.append(log.totals())
+                by_group = log.by_group()
             loss_diff = max(loss_diff, report.loss_diff)
             if report.param_diff is not None:
                 param_diff = max(param_diff or 0.0, report.param_diff)
             if report.divergences and not failures:
                 failures.extend(f"step {step}: {d}" for d in report.divergences[:5])
         theory = theoretical_volume(
-            setup.sharded, engine=setup.engine, full_shard=self.config.strategy == "FULL_SHARD"
+            setup.sharded,
+            engine=setup.engine,
+            full_shard=self.config.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
         )
+        totals = theory.totals() if theory else None
         return {
+            "comm_groups": {k: {g: list(v) for g, v in d.items()} for k, d in by_group.items()},
+            "theory_groups": (
+                {
+                    kind: {g: list(v) for g, v in groups.items()}
+                    for kind, groups in expected_groups(totals, self.config, setup.mesh).items()
+                }
+                if totals is not None
+                else None
+            ),
             "loss_diff": loss_diff,
             "param_diff": param_diff,
             "parity_failures": failures,
             "comm": {k: list(v) for k, v in comm[-1].items()} if comm else {},
             "comm_consistent": all(c == comm[-1] for c in comm),
-            "theory": {k: list(v) for k, v in theory.totals().items()} if theory else None,
+            "theory": {k: list(v) for k, v in totals.items()} if totals is not None else None,
             "layout": theory.layout if theory else None,
             "step_s": statistics.median(step_times) if step_times else None,
         }

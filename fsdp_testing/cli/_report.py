@@ -18,6 +18,7 @@ __all__ = [
     "RowResult",
     "comm_problems",
     "count_statuses",
+    "group_problems",
     "write_json",
     "write_junit",
 ]
@@ -41,6 +42,8 @@ class RowResult:
     param_diff: float | None = None
     comm: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     theory: dict[str, tuple[int, int]] | None = None
+    comm_groups: dict[str, dict[str, tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    """The first rank's collectives per family and group (``"0,2"``: the group's ranks)."""
     layout: str | None = None
     peak_rss: list[int] = dataclasses.field(default_factory=list)
     rss_start: list[int] = dataclasses.field(default_factory=list)
@@ -73,6 +76,10 @@ class RowResult:
                 if self.theory is None
                 else {k: {"count": c, "bytes": b} for k, (c, b) in sorted(self.theory.items())}
             ),
+            "collectives_per_group_rank0": {
+                kind: {g: {"count": c, "bytes": b} for g, (c, b) in sorted(groups.items())}
+                for kind, groups in sorted(self.comm_groups.items())
+            },
             "layout": self.layout,
             "peak_rss_bytes": self.peak_rss,
             "rss_at_start_bytes": self.rss_start,
@@ -96,6 +103,26 @@ def comm_problems(
                 f"communication: {kind} {got[0]} calls / {got[1]:,} B per step, theory "
                 f"{want[0]} calls / {want[1]:,} B"
             )
+    return problems
+
+
+def group_problems(
+    comm: dict[str, dict[str, Any]], theory: dict[str, dict[str, Any]] | None
+) -> list[str]:
+    """One line per family and group whose calls or bytes per step differ from the theory's
+    (``family -> {"r0,r1": [calls, bytes]}``, as the ranks write them; none without a theory)."""
+    if theory is None:
+        return []
+    problems = []
+    for kind in sorted(set(comm) | set(theory)):
+        got, want = comm.get(kind, {}), theory.get(kind, {})
+        for group in sorted(set(got) | set(want)):
+            have, should = list(got.get(group, (0, 0))), list(want.get(group, (0, 0)))
+            if have != should:
+                problems.append(
+                    f"communication: {kind} over ranks {{{group}}} {have[0]} calls / "
+                    f"{have[1]:,} B per step, theory {should[0]} calls / {should[1]:,} B"
+                )
     return problems
 
 

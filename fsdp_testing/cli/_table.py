@@ -23,7 +23,13 @@ __all__ = ["plain_table", "print_results", "rich_table", "worst_rows"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _SHORT_KIND = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
 #: Abbreviations of the terminal table, explained in its legend.
-_STRATEGY = {"FULL_SHARD": "FULL", "SHARD_GRAD_OP": "GRAD", "NO_SHARD": "NO"}
+_STRATEGY = {
+    "FULL_SHARD": "FULL",
+    "SHARD_GRAD_OP": "GRAD",
+    "NO_SHARD": "NO",
+    "HYBRID_SHARD": "HYB",
+    "_HYBRID_SHARD_ZERO2": "HYB2",
+}
 _PREFETCH = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", "none": "none"}
 _ENGINE = {
     "torch_fsdp1": "fsdp1",
@@ -32,7 +38,9 @@ _ENGINE = {
     "fsdp_core_graph": "core-graph",
 }
 _LEGEND = (
-    "shard FULL/GRAD/NO: FULL_SHARD/SHARD_GRAD_OP/NO_SHARD · pf: backward prefetch (pre, post, "
+    "shard FULL/GRAD/NO: FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, HYB/HYB2: HYBRID_SHARD/"
+    "_HYBRID_SHARD_ZERO2 on 4 ranks (2 x 2; AG and RS inside the shard group, AR across the "
+    "replicate group, checked per group) · pf: backward prefetch (pre, post, "
     "none) · cpu: parameters offloaded to the CPU · mp: mixed precision, compute/reduce dtypes · "
     "per step: AG all-gathers, RS reduce-scatters, AR all-reduces, calls x bytes (≠: not the "
     "theoretical volume) · diffs: largest loss and parameter differences from the reference · "
@@ -52,12 +60,20 @@ def _fmt_diff(value: float | None) -> str:
     return "0" if value == 0 else f"{value:.1e}"
 
 
-def _fmt_comm(comm: dict[str, tuple[int, int]], kinds: tuple[str, ...]) -> str:
+def _fmt_comm(
+    comm: dict[str, tuple[int, int]],
+    kinds: tuple[str, ...],
+    groups: dict[str, dict[str, tuple[int, int]]] | None = None,
+) -> str:
+    """Calls and bytes of ``kinds``; with ``groups`` (hybrid rows), each family's groups."""
     parts = []
     for kind in kinds:
         if kind in comm:
             count, size = comm[kind]
-            parts.append(f"{count} {_SHORT_KIND[kind]} {size:,} B")
+            where = " ".join(f"{{{g}}}" for g in sorted((groups or {}).get(kind, {})))
+            parts.append(
+                f"{count} {_SHORT_KIND[kind]} {size:,} B" + (f" in {where}" if groups else "")
+            )
     return ", ".join(parts) if parts else "none"
 
 
@@ -67,7 +83,10 @@ def _theory_cell(row: RowResult) -> str:
     if row.theory is None:
         return "n/a"
     if not comm_problems(row.comm, row.theory):
-        return "= theory"
+        # The totals agree; a family over another group than the theory's is still a
+        # difference ([Note: hybrid rows]).
+        by_group = any("] communication: " in p for p in [*row.problems, *row.notes])
+        return "≠ theory per group" if by_group else "= theory"
     return "theory: " + _fmt_comm(row.theory, _KINDS)
 
 
@@ -98,14 +117,15 @@ def plain_table(rows: list[RowResult]) -> str:
     body = []
     for row in rows:
         ran = _ran(row)
+        groups = row.comm_groups if row.config.hybrid else None  # rank 0's groups
         body.append(
             [
                 row.config.label,
                 _parity_cell(row),
                 _fmt_diff(row.loss_diff) if ran else "-",
                 _fmt_diff(row.param_diff) if ran else "-",
-                _fmt_comm(row.comm, ("all_gather",)) if ran else "-",
-                _fmt_comm(row.comm, ("reduce_scatter", "all_reduce")) if ran else "-",
+                _fmt_comm(row.comm, ("all_gather",), groups) if ran else "-",
+                _fmt_comm(row.comm, ("reduce_scatter", "all_reduce"), groups) if ran else "-",
                 _theory_cell(row),
                 "/".join(f"{b / 2**20:.0f}" for b in row.peak_rss) or "-",
                 _step_ms(row),

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoint_row import checkpoint_configs, parse_reshard, run_checkpoint_rows
-from ._matrix import AXES, DEFAULTS, Config, build_matrix, parse_axis
+from ._matrix import AXES, DEFAULTS, HYBRID_GRID, Config, build_matrix, parse_axis, row_world_size
 from ._render import ProgressDisplay, echo, make_console
 from ._report import (
     ERROR,
@@ -27,6 +27,7 @@ from ._report import (
     UNAVAILABLE,
     RowResult,
     comm_problems,
+    group_problems,
     write_json,
     write_junit,
 )
@@ -91,10 +92,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configs = build_matrix(selection)
     console = make_console()
+    worlds = sorted({row_world_size(c, args.world_size) for c in configs})
+    hybrid = [c for c in configs if c.hybrid]
+    where = f"{args.world_size} gloo ranks"
+    if hybrid:  # see [Note: hybrid rows]
+        grid = f"{HYBRID_GRID[0] * HYBRID_GRID[1]} gloo ranks ({HYBRID_GRID[0]} x {HYBRID_GRID[1]})"
+        where = grid if len(hybrid) == len(configs) else f"{where}, hybrid rows on {grid}"
     echo(
         console,
-        f"fsdp-testing check: {len(configs)} configurations on {args.world_size} gloo ranks, "
-        f"{args.steps} steps each",
+        f"fsdp-testing check: {len(configs)} configurations on {where}, {args.steps} steps each",
     )
     started = time.monotonic()
     rows = run_matrix(
@@ -110,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
         rows += run_checkpoint_rows(configs, timeout=args.timeout, console=console)
     total = time.monotonic() - started
     print_results(console, rows, total)
-    meta = {"world_size": args.world_size, "steps": args.steps, "time_s": round(total, 3)}
+    meta = {
+        "world_size": args.world_size,
+        "world_sizes": worlds,
+        "steps": args.steps,
+        "time_s": round(total, 3),
+    }
     if args.json:
         write_json(args.json, rows, meta)
     if args.junit_xml:
@@ -134,7 +145,7 @@ def run_matrix(
 
     Args:
         configs: the rows.
-        world_size: gloo ranks.
+        world_size: gloo ranks (hybrid rows: always the 2 x 2 grid, [Note: hybrid rows]).
         steps: training steps per row.
         timeout: seconds per row.
         strict_comm: communication that differs from the theory makes the row a mismatch
@@ -148,17 +159,18 @@ def run_matrix(
 
     from ._rankwork import CheckCase
 
-    spec = DistSpec(world_size, backend="gloo", mode=Mode.PROCESS, timeout=timeout)
     rows = []
     with ProgressDisplay(len(configs), console) as progress:
         for config in configs:
+            world = row_world_size(config, world_size)
+            spec = DistSpec(world, backend="gloo", mode=Mode.PROCESS, timeout=timeout)
             progress.start(config.label)
             out_dir = tempfile.mkdtemp(prefix="fsdp-testing-check-")
             begin = time.monotonic()
             try:
                 task = Task(CheckCase(config, steps, out_dir), {}, test_id=config.label)
                 verdict = run_distributed(task, spec, LaunchSettings(timeout=timeout))
-                ranks = _read_ranks(out_dir, world_size)
+                ranks = _read_ranks(out_dir, world)
             finally:
                 shutil.rmtree(out_dir, ignore_errors=True)
             row = _merge(config, verdict.outcome, verdict.message, ranks, strict_comm)
@@ -206,6 +218,9 @@ def _merge(
     row.layout = first["layout"]
     if first["theory"] is not None:
         row.theory = {k: (v[0], v[1]) for k, v in first["theory"].items()}
+    row.comm_groups = {
+        k: {g: (v[0], v[1]) for g, v in d.items()} for k, d in first["comm_groups"].items()
+    }
     for rank, data in sorted(ranks.items()):
         row.problems += [f"[rank {rank}] parity: {p}" for p in data["parity_failures"]]
         if data["comm"] != first["comm"] or data["theory"] != first["theory"]:
@@ -215,6 +230,13 @@ def _merge(
             )
         if not data["comm_consistent"]:
             row.problems.append(f"[rank {rank}] collectives differ between steps 2..N")
+        # Per group, each rank against its own groups ([Note: hybrid rows]); the totals were
+        # compared above, so this adds only what they cannot see.
+        found = group_problems(data["comm_groups"], data["theory_groups"])
+        if found and not comm_problems(row.comm, row.theory):
+            (row.problems if strict_comm else row.notes).extend(
+                f"[rank {rank}] {problem}" for problem in found
+            )
     if strict_comm:
         row.problems += comm_problems(row.comm, row.theory)
     else:

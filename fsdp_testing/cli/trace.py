@@ -21,7 +21,7 @@ import tempfile
 from collections import Counter
 from typing import Any
 
-from ._matrix import AXES, Config
+from ._matrix import AXES, Config, row_world_size
 from ._plot import draw_timeline, require_matplotlib, save_png
 
 __all__ = ["TraceSteps", "add_parser", "draw_timeline", "merge_traces", "run"]
@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
     config = Config(**values)
-    print(f"fsdp-testing trace: {config.label}, {args.steps} steps on {args.world_size} ranks")
-    ranks = _record(config, args.steps, args.world_size, args.timeout)
+    world = row_world_size(config, args.world_size)  # hybrid: 4 ranks, [Note: hybrid rows]
+    print(f"fsdp-testing trace: {config.label}, {args.steps} steps on {world} ranks")
+    ranks = _record(config, args.steps, world, args.timeout)
     if ranks is None:
         return 1
     trace = merge_traces(ranks, config)

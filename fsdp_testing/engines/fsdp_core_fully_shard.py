@@ -62,7 +62,7 @@ class FSDPCoreFullyShardEngine(TorchFSDP2Engine):
         if fsdp_kwargs.get("device_id") is not None:
             module.to(device)
         group = process_group if process_group is not None else default_process_group()
-        shard_kwargs["mesh"] = self._mesh(group, device.type)
+        shard_kwargs["mesh"] = self._mesh_of(group, device.type, fsdp_kwargs)
         if fsdp_kwargs.get("sync_module_states"):
             broadcast_module_states(module, group, skip=self.is_wrapped)
         policy = fsdp_kwargs.get("auto_wrap_policy")

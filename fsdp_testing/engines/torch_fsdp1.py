@@ -128,6 +128,10 @@ def _unit_volume(instance: Any, handle: Any, full_shard: bool) -> UnitVolume:
     reduce_kind = None
     if trainable and world > 1:
         reduce_kind = "reduce_scatter" if sharded else "all_reduce"
+    # Hybrid strategies: ``world`` is the shard group's; the reduced shard is then all-reduced
+    # across the replicate group (``_inter_node_pg``).
+    inter_node = getattr(instance, "_inter_node_pg", None)
+    replicas = dist.get_world_size(inter_node) if inter_node is not None else 1
     return UnitVolume(
         name=type(instance.module).__name__,
         gather_bytes=padded * gather_size if sharded else 0,
@@ -139,6 +143,7 @@ def _unit_volume(instance: Any, handle: Any, full_shard: bool) -> UnitVolume:
             reshard_after_forward=full_shard,
         ),
         reduce_kind=reduce_kind,
+        replica_reduce_bytes=padded // world * reduce_size if trainable and replicas > 1 else 0,
     )
 
 

@@ -7,10 +7,13 @@ FSDP2 shards a module in place (its class gains ``FSDPModule``) and its paramete
 FSDP1 option                  ``fully_shard``
 ============================  =====================================================
 process_group                 ``mesh=DeviceMesh.from_group(process_group, ...)``
+device_mesh                   ``mesh=device_mesh`` (instead of ``process_group``)
 sharding_strategy             FULL_SHARD: ``reshard_after_forward`` left to FSDP2
                               (True, except the root, which keeps its parameters
                               for backward as FSDP1's root does);
-                              SHARD_GRAD_OP: ``reshard_after_forward=False``
+                              SHARD_GRAD_OP: ``reshard_after_forward=False``;
+                              HYBRID_SHARD, _HYBRID_SHARD_ZERO2: the same on a 2-D
+                              ``device_mesh`` (replicate, shard): HSDP
 cpu_offload                   ``offload_policy=CPUOffloadPolicy(pin_memory=...)``
 mixed_precision               ``mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype)``
 auto_wrap_policy              ``fully_shard`` on each selected submodule, bottom-up
@@ -22,8 +25,9 @@ use_orig_params, limit_all_   accepted: FSDP2 always keeps the original paramete
 gathers                       bounds its all-gathers itself
 ============================  =====================================================
 
-Anything else (NO_SHARD, hybrid strategies, ``buffer_dtype``, ``keep_low_precision_grads``,
-``forward_prefetch=True``, BACKWARD_POST) raises NotImplementedError naming this engine.
+Anything else (NO_SHARD, a hybrid strategy without a 2-D ``device_mesh``, ``buffer_dtype``,
+``keep_low_precision_grads``, ``forward_prefetch=True``, BACKWARD_POST) raises
+NotImplementedError naming this engine.
 """
 
 from __future__ import annotations
@@ -65,7 +69,11 @@ _ACCEPTED = {
     "forward_prefetch",
     "use_orig_params",
     "limit_all_gathers",
+    "device_mesh",
 }
+
+#: Hybrid strategy -> the single-group strategy it runs in each shard group.
+_HYBRID = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
 
 
 def _unsupported(option: str, value: object, why: str = "") -> NotImplementedError:
@@ -114,7 +122,7 @@ class TorchFSDP2Engine(BaseEngine):
         if fsdp_kwargs.get("device_id") is not None:
             module.to(device)
         group = process_group if process_group is not None else default_process_group()
-        shard_kwargs["mesh"] = self._mesh(group, device.type)
+        shard_kwargs["mesh"] = self._mesh_of(group, device.type, fsdp_kwargs)
         if fsdp_kwargs.get("sync_module_states"):
             broadcast_module_states(module, group, skip=self.is_wrapped)
         policy = fsdp_kwargs.get("auto_wrap_policy")
@@ -135,6 +143,28 @@ class TorchFSDP2Engine(BaseEngine):
             return tensor.device
         return torch.device("cuda" if has_accelerator() else "cpu")
 
+    def _mesh_of(
+        self, group: dist.ProcessGroup, device_type: str, fsdp_kwargs: dict[str, Any]
+    ) -> Any:
+        """``device_mesh`` when given (2-D exactly for the hybrid strategies), else a 1-D mesh
+        over ``group``."""
+        mesh = fsdp_kwargs.get("device_mesh")
+        name = getattr(fsdp_kwargs.get("sharding_strategy"), "name", "")
+        hybrid = name in _HYBRID
+        if mesh is None and not hybrid:
+            return self._mesh(group, device_type)
+        if hybrid and getattr(mesh, "ndim", None) != 2:
+            raise _unsupported(
+                "sharding_strategy", fsdp_kwargs["sharding_strategy"],
+                f"HSDP needs a 2-D device_mesh (replicate, shard), got {mesh!r}",
+            )  # fmt: skip
+        if not hybrid and getattr(mesh, "ndim", None) != 1:
+            raise ValueError(
+                f"engine {self.name!r}: sharding_strategy={name or None} takes a 1-D "
+                f"device_mesh, got {mesh!r}; pass HYBRID_SHARD for a 2-D mesh"
+            )
+        return mesh
+
     @staticmethod
     def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
@@ -148,9 +178,11 @@ class TorchFSDP2Engine(BaseEngine):
         result: dict[str, Any] = {}
         strategy = fsdp_kwargs.get("sharding_strategy")
         if strategy is not None:
-            name = getattr(strategy, "name", str(strategy))
+            name = _HYBRID.get(getattr(strategy, "name", ""), getattr(strategy, "name", ""))
             if name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-                raise _unsupported("sharding_strategy", strategy, "only FULL_SHARD/SHARD_GRAD_OP")
+                raise _unsupported(
+                    "sharding_strategy", strategy, "only FULL_SHARD/SHARD_GRAD_OP (and hybrid)"
+                )
             if name == "SHARD_GRAD_OP":
                 result["reshard_after_forward"] = False
             elif not _root_keeps_parameters_by_default():
@@ -316,19 +348,23 @@ class TorchFSDP2Engine(BaseEngine):
             if group is None:
                 continue
             world = group.mesh_info.shard_mesh_size  # type: ignore[attr-defined]
+            replicas = getattr(group.mesh_info, "replicate_mesh_size", 1)  # HSDP
             if world == 1:
                 continue  # nothing to gather or reduce over a group of one rank
-            units.append(_unit_volume(submodule, group, world, bool(state._is_root), full_shard))
+            units.append(
+                _unit_volume(submodule, group, world, bool(state._is_root), full_shard, replicas)
+            )
         if not units:
             return None
         return CommVolume("torch FSDP2: per-parameter dim-0 padding", tuple(units))
 
 
 def _unit_volume(
-    module: nn.Module, group: Any, world: int, is_root: bool, full_shard: bool
+    module: nn.Module, group: Any, world: int, is_root: bool, full_shard: bool, replicas: int = 1
 ) -> UnitVolume:
     """One ``FSDPParamGroup``: every parameter padded in dim 0, gathered in ``param_dtype`` and
-    reduced in ``reduce_dtype``."""
+    reduced in ``reduce_dtype``; under HSDP (``replicas`` > 1) the reduced shard is then
+    all-reduced across the replicate group."""
     gather = reduce = 0
     trainable = False
     for fp in group.fsdp_params:
@@ -345,6 +381,7 @@ def _unit_volume(
             sharded=True, is_root=is_root, trainable=trainable, reshard_after_forward=full_shard
         ),
         reduce_kind="reduce_scatter" if trainable else None,
+        replica_reduce_bytes=reduce // world if trainable and replicas > 1 else 0,
     )
 
 
