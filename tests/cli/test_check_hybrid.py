@@ -118,3 +118,15 @@ def test_hybrid_rows_are_asked_for_and_always_use_four_ranks():
     hybrid = Config(strategy="_HYBRID_SHARD_ZERO2", **axes)
     assert hybrid.hybrid and row_world_size(hybrid, 2) == 4 and row_world_size(hybrid, 8) == 4
     assert row_world_size(Config(strategy="FULL_SHARD", **axes), 3) == 3
+
+
+def test_every_reference_model_trains_in_parity_under_hybrid_sharding_on_both_doors(capsys):
+    """Every model of the default matrix, both hybrid strategies on the wrapper and a 2-D mesh
+    on fully_shard, 4 ranks as 2 x 2: parity with DDP and exactly the theoretical volume."""
+    models = ",".join(DEFAULTS["model"])
+    code = main(["check", "--model", models, *_STRATEGIES, *_ONE_ROW_EACH, "--comm", "strict",
+                 "--engine", "fsdp_core,fsdp_core_fully_shard"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = 2 * 2 * len(DEFAULTS["model"])
+    assert f"{rows} ok, 0 mismatched, 0 errors, 0 unavailable" in out, out
+    assert code == 0
