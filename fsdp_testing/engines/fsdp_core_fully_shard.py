@@ -46,6 +46,7 @@ class FSDPCoreFullyShardEngine(TorchFSDP2Engine):
     """:class:`~fsdp_testing.engines.FSDPEngine` for ``fsdp_core.fully_shard``."""
 
     name = "fsdp_core_fully_shard"
+    api = "fsdp_core.fully_shard"
 
     def wrap(
         self, module: nn.Module, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any

@@ -76,9 +76,11 @@ _ACCEPTED = {
 _HYBRID = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
 
 
-def _unsupported(option: str, value: object, why: str = "") -> NotImplementedError:
+def _unsupported(
+    engine: type[TorchFSDP2Engine], option: str, value: object, why: str = ""
+) -> NotImplementedError:
     return NotImplementedError(
-        f"engine 'torch_fsdp2' (torch.distributed.fsdp.fully_shard) does not support "
+        f"engine {engine.name!r} ({engine.api}) does not support "
         f"{option}={value!r}{': ' + why if why else ''}; run this configuration with engine "
         "'torch_fsdp1' or 'fsdp_core'"
     )
@@ -103,6 +105,8 @@ class TorchFSDP2Engine(BaseEngine):
     """
 
     name = "torch_fsdp2"
+    #: The API the engine drives, named in its "does not support" errors.
+    api = "torch.distributed.fsdp.fully_shard"
 
     # -- wrapping -------------------------------------------------------------------------------
 
@@ -155,7 +159,7 @@ class TorchFSDP2Engine(BaseEngine):
             return self._mesh(group, device_type)
         if hybrid and getattr(mesh, "ndim", None) != 2:
             raise _unsupported(
-                "sharding_strategy", fsdp_kwargs["sharding_strategy"],
+                type(self), "sharding_strategy", fsdp_kwargs["sharding_strategy"],
                 f"HSDP needs a 2-D device_mesh (replicate, shard), got {mesh!r}",
             )  # fmt: skip
         if not hybrid and getattr(mesh, "ndim", None) != 1:
@@ -171,8 +175,8 @@ class TorchFSDP2Engine(BaseEngine):
 
         return DeviceMesh.from_group(group, device_type)
 
-    @staticmethod
-    def _fully_shard_kwargs(fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    @classmethod
+    def _fully_shard_kwargs(cls, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         result: dict[str, Any] = {}
@@ -181,7 +185,7 @@ class TorchFSDP2Engine(BaseEngine):
             name = _HYBRID.get(getattr(strategy, "name", ""), getattr(strategy, "name", ""))
             if name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
                 raise _unsupported(
-                    "sharding_strategy", strategy, "only FULL_SHARD/SHARD_GRAD_OP (and hybrid)"
+                    cls, "sharding_strategy", strategy, "only FULL_SHARD/SHARD_GRAD_OP (and hybrid)"
                 )
             if name == "SHARD_GRAD_OP":
                 result["reshard_after_forward"] = False
@@ -193,17 +197,19 @@ class TorchFSDP2Engine(BaseEngine):
         mixed = fsdp_kwargs.get("mixed_precision")
         if mixed is not None:
             if getattr(mixed, "buffer_dtype", None) is not None:
-                raise _unsupported("mixed_precision.buffer_dtype", mixed.buffer_dtype)
+                raise _unsupported(cls, "mixed_precision.buffer_dtype", mixed.buffer_dtype)
             if getattr(mixed, "keep_low_precision_grads", False):
-                raise _unsupported("mixed_precision.keep_low_precision_grads", True)
+                raise _unsupported(cls, "mixed_precision.keep_low_precision_grads", True)
             result["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
             )
         prefetch = fsdp_kwargs.get("backward_prefetch")
         if prefetch is not None and getattr(prefetch, "name", "") != "BACKWARD_PRE":
-            raise _unsupported("backward_prefetch", prefetch, "FSDP2 prefetches like BACKWARD_PRE")
+            raise _unsupported(
+                cls, "backward_prefetch", prefetch, "FSDP2 prefetches like BACKWARD_PRE"
+            )
         if fsdp_kwargs.get("forward_prefetch"):
-            raise _unsupported("forward_prefetch", True, "use set_modules_to_forward_prefetch")
+            raise _unsupported(cls, "forward_prefetch", True, "use set_modules_to_forward_prefetch")
         ignored = fsdp_kwargs.get("ignored_modules")
         if ignored:
             result["ignored_params"] = {p for m in ignored for p in m.parameters()}

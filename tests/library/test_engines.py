@@ -33,7 +33,10 @@ def test_registry_lists_the_five_engines_and_defaults_to_fsdp_core():
 
 @pytest.mark.parametrize("api", [get_engine, set_default_engine, use_engine])
 def test_unknown_engine_name_lists_valid_names(api):
-    with pytest.raises(ValueError, match=r"unknown FSDP engine 'fsdp3'.*fsdp_core, fsdp_core_fully_shard, fsdp_core_graph, torch_fsdp1"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown FSDP engine 'fsdp3'.*fsdp_core, fsdp_core_fully_shard, fsdp_core_graph, torch_fsdp1",
+    ):
         result = api("fsdp3")
         if hasattr(result, "__enter__"):
             result.__enter__()
@@ -170,3 +173,18 @@ def test_enable_wrap_is_per_thread_rank(engine_name, rank, process_group):
 
 class _NoSuchStrategy(enum.Enum):
     ZIGZAG = 1
+
+
+@pytest.mark.parametrize(
+    ("engine", "api"),
+    [("torch_fsdp2", "torch.distributed.fsdp.fully_shard"),
+     ("fsdp_core_fully_shard", "fsdp_core.fully_shard")],
+)  # fmt: skip
+def test_an_unsupported_option_names_the_engine_that_refused_it(engine, api) -> None:
+    from fsdp_core import BackwardPrefetch
+    from fsdp_testing.engines import get_engine
+
+    with pytest.raises(NotImplementedError, match=rf"^engine '{engine}' \({api}\) does not"):
+        type(get_engine(engine))._fully_shard_kwargs(
+            {"backward_prefetch": BackwardPrefetch.BACKWARD_POST}
+        )
