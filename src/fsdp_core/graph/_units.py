@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -40,9 +39,15 @@ class GraphUnit:
 
 
 def _is_fully_sharded(module: nn.Module) -> bool:
+    """Sharded by fsdp_core's ``fully_shard`` (or torch's, whose models trace the same way)."""
+    import sys
+
     from .._composable import FSDPModule
 
-    return isinstance(module, (FSDPModule, torch.distributed.fsdp.FSDPModule))
+    if isinstance(module, FSDPModule):
+        return True
+    torch_fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: torch's never ran
+    return torch_fsdp is not None and isinstance(module, torch_fsdp.FSDPModule)
 
 
 def _validate_policies(api: str, modules: dict[str, nn.Module]) -> None:
@@ -59,11 +64,15 @@ def _validate_policies(api: str, modules: dict[str, nn.Module]) -> None:
             unsupported.append(f"{name or '<root>'} (mp_policy)")
         if unit.offload_params:
             unsupported.append(f"{name or '<root>'} (offload_policy)")
+        if unit.groups.replicate_size > 1:
+            kind = "2-D mesh" if unit.groups.is_hybrid else "replicate"
+            unsupported.append(f"{name or '<root>'} ({kind})")
     if unsupported:
         raise NotImplementedError(
-            f"{api} does not trace mixed precision or CPU offload yet; units {unsupported} use "
-            "them. Shard those modules with fully_shard's default MixedPrecisionPolicy() and "
-            "OffloadPolicy(), or train this model in eager mode."
+            f"{api} does not trace mixed precision, CPU offload, hybrid sharding or replicate "
+            f"yet; units {unsupported} use them. Shard those modules with fully_shard on a 1-D "
+            "mesh with the default MixedPrecisionPolicy() and OffloadPolicy(), or train this "
+            "model in eager mode."
         )
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_core import MixedPrecisionPolicy, events, fully_shard
+from fsdp_core import MixedPrecisionPolicy, events, fully_shard, replicate
 from fsdp_core.graph import _meta, peak_memory, trace_train_step
 from fsdp_core.graph.passes import (
     bucket_all_gathers,
@@ -202,3 +202,22 @@ def test_clear_errors_for_what_cannot_be_traced(rank, process_group) -> None:
     fully_shard(mixed, mesh=mesh)
     with pytest.raises(NotImplementedError, match=r"mixed precision.*\['0 \(mp_policy\)'\]"):
         trace_train_step(mixed, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
+    replicated = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    replicate(replicated[0], mesh=mesh)
+    fully_shard(replicated, mesh=mesh)
+    with pytest.raises(
+        NotImplementedError, match=r"hybrid sharding or replicate.*'0 \(replicate\)'"
+    ):
+        trace_train_step(replicated, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_a_two_dimensional_mesh_is_not_traced_yet(rank, process_group) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(NotImplementedError, match=r"\['<root> \(2-D mesh\)', '0 \(2-D mesh\)'\]"):
+        trace_train_step(model, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
