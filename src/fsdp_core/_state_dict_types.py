@@ -10,6 +10,8 @@ and ``FSDP.optim_state_dict`` reads the optimizer configuration from the same pl
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -138,6 +140,7 @@ def state_dict_type(
 
 def save_state_dict(module: nn.Module, prefix: str = "") -> Any:
     """The state dict of the FSDP instance ``module`` in its current layout."""
+    _refuse_dcp_model_and_optimizer_functions(module)
     kind = _own(module).state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
         return full_state_dict(module, prefix)
@@ -148,11 +151,46 @@ def load_state_dict(
     module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
 ) -> _IncompatibleKeys:
     """Load ``state_dict`` (in the current layout) into the FSDP instance ``module``."""
+    _refuse_dcp_model_and_optimizer_functions(module)
     kind = _own(module).state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
         return load_full_state_dict(module, state_dict, strict=strict)
     local = kind is StateDictType.LOCAL_STATE_DICT
     return load_sharded_state_dict(module, state_dict, strict=strict, local=local)
+
+
+# [Note: DCP's state dict functions and the wrapper]
+# ``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` (and their
+# optimizer halves) recognise only torch's own FSDP class. On fsdp_core's wrapper they take the
+# model state as it is (full tensors: correct) but each rank's optimizer state as it is too: row
+# shards as plain tensors, which ``dcp.save`` stores as if replicated, keeping rank 0's rows for
+# every rank. Loading that checkpoint would corrupt the other ranks' optimizer state silently.
+# Those functions always pass through the model's state_dict()/load_state_dict(), so the wrapper
+# refuses there, naming fsdp_core.checkpoint (same signatures). The model-only functions
+# (get_model_state_dict/set_model_state_dict) stay allowed: their result is right.
+_DCP_STATE_DICT_FILE = os.path.join("distributed", "checkpoint", "state_dict.py")
+_DCP_FUNCTIONS_WITH_OPTIMIZER = frozenset(
+    {"get_state_dict", "set_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict"}
+)
+
+
+def _refuse_dcp_model_and_optimizer_functions(module: nn.Module) -> None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _DCP_FUNCTIONS_WITH_OPTIMIZER and code.co_filename.endswith(
+            _DCP_STATE_DICT_FILE
+        ):
+            raise RuntimeError(
+                f"torch.distributed.checkpoint.state_dict.{code.co_name} was called on a model "
+                f"holding fsdp_core's FullyShardedDataParallel ({type(module).__name__}): it "
+                "recognises only torch's FSDP class and would save or load each rank's "
+                "optimizer shard as if replicated (rank 0's rows for every rank). Use "
+                f"fsdp_core.checkpoint.{code.co_name} (same signature), or "
+                "fsdp_core.checkpoint.save/load; get_model_state_dict/set_model_state_dict "
+                "alone work."
+            )
+        frame = frame.f_back  # type: ignore[assignment]
 
 
 def _own(module: nn.Module) -> FSDPState:

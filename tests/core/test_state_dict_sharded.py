@@ -260,3 +260,31 @@ def _full_sd(model):
     return {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
     }
+
+
+@pytest.mark.distributed(world_size=2)
+def test_dcp_functions_that_take_the_optimizer_refuse_the_wrapper(rank, process_group):
+    """DCP's get/set_state_dict would save each rank's optimizer shard as if replicated (see
+    [Note: DCP's state dict functions and the wrapper]): refused, naming fsdp_core.checkpoint.
+    The model-only function gives the right full state dict and stays allowed."""
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    import fsdp_core.checkpoint as ckpt
+
+    model, optim = _trained("nested", rank, process_group)
+    with pytest.raises(RuntimeError, match=r"state_dict.get_state_dict was called.*Use fsdp_core"):
+        dcp_sd.get_state_dict(model, optim)
+    full = model.state_dict()
+    model_sd, optim_sd = ckpt.get_state_dict(model, optim)  # ours: the supported spelling
+    assert set(model_sd) == set(full) and optim_sd["state"]
+    with pytest.raises(RuntimeError, match=r"fsdp_core.checkpoint.set_state_dict \(same signature"):
+        dcp_sd.set_state_dict(
+            model,
+            optim,
+            model_state_dict=full,
+            optim_state_dict=optim_sd,
+            options=dcp_sd.StateDictOptions(strict=False),
+        )
+    model_only = dcp_sd.get_model_state_dict(model)
+    assert model_only.keys() == full.keys()
+    assert all(torch.equal(model_only[k], full[k]) for k in full)
