@@ -117,7 +117,6 @@ def check_resume_parity(
             f"check_resume_parity: save_after={save_after} must be between 1 and "
             f"num_steps - 1 = {num_steps - 1}."
         )
-    _forget_dtensor_meshes()
     group_a = _first_ranks(process_group, from_world)
     group_b = _first_ranks(process_group, to_world)
     reference: list[float] = []
@@ -152,17 +151,6 @@ def check_resume_parity(
     if message:
         raise AssertionError(f"[rank {dist.get_rank()}] {message}")
     return ResumeReport(from_world, to_world, save_after, reference_losses, resumed_losses)
-
-
-def _forget_dtensor_meshes() -> None:
-    """Drop DTensor's sharding propagation caches (Python and C++ fast path). Their keys
-    compare meshes by ranks only, so an entry made by an earlier test on a subgroup of the same
-    ranks (destroyed since by the warm rank's state reset) would hand this test's DTensors
-    that stale mesh, whose group no longer resolves ("Could not resolve the process group
-    registered under the name ...")."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
 
 
 def _first_ranks(group: dist.ProcessGroup, n: int) -> dist.ProcessGroup | None:
