@@ -375,33 +375,48 @@ def setup_torchcomms_pg(
     return torch_setup(backend, rank, world_size, device, store_path, group_name)
 
 
-class SaveForwardInputsModule(nn.Module):
-    """A 100x100 linear layer that records its forward input in ``forward_inputs[self]``."""
+class _RecordsForwardInput(nn.Module):
+    """Notes each forward input under ``forward_inputs[self]``, then runs ``_compute``."""
+
+    def __init__(self, forward_inputs: dict[nn.Module, torch.Tensor]) -> None:
+        super().__init__()
+        self.forward_inputs = forward_inputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_inputs[self] = x
+        return self._compute(x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SaveForwardInputsModule(_RecordsForwardInput):
+    """A 100x100 linear layer ``l`` that records its forward input in ``forward_inputs[self]``
+    and, with ``cast_forward_inputs``, casts it to the layer's dtype first."""
 
     def __init__(
         self, forward_inputs: dict[nn.Module, torch.Tensor], cast_forward_inputs: bool
     ) -> None:
-        super().__init__()
+        super().__init__(forward_inputs)
         self.l = nn.Linear(100, 100)
-        self.forward_inputs = forward_inputs
         self.cast_forward_inputs = cast_forward_inputs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.forward_inputs[self] = x
-        return self.l(x.to(self.l.weight.dtype) if self.cast_forward_inputs else x)
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cast_forward_inputs:
+            x = x.to(self.l.weight.dtype)
+        return self.l(x)
 
 
-class SaveForwardInputsModel(nn.Module):
-    """Two :class:`SaveForwardInputsModule` in a row; records its own input too."""
+class SaveForwardInputsModel(_RecordsForwardInput):
+    """:class:`SaveForwardInputsModule` ``c1`` then ``c2``; records its own input too."""
 
     def __init__(
         self, forward_inputs: dict[nn.Module, torch.Tensor], cast_forward_inputs: bool
     ) -> None:
-        super().__init__()
-        self.c1 = SaveForwardInputsModule(forward_inputs, cast_forward_inputs)
-        self.c2 = SaveForwardInputsModule(forward_inputs, cast_forward_inputs)
-        self.forward_inputs = forward_inputs
+        super().__init__(forward_inputs)
+        self.c1, self.c2 = (
+            SaveForwardInputsModule(forward_inputs, cast_forward_inputs) for _ in range(2)
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.forward_inputs[self] = x
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         return self.c2(self.c1(x))
