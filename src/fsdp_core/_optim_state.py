@@ -62,8 +62,8 @@ def optim_state_dict(
     """
     source = optim.state_dict() if optim_state_dict is None else optim_state_dict
     states = _states(model, "optim_state_dict")
-    kind = states[0].state_dict_type
-    config = states[0].optim_state_dict_config
+    kind = states[0].state_dict_settings.state_dict_type
+    config = states[0].state_dict_settings.optim_state_dict_config
     names = _names(model, optim)
     owners = _owners(states)
     params = _params(optim)
@@ -246,17 +246,8 @@ def _import(
         local = value
     else:
         raise _shape_error(name, value, sharded)
-    local = local.to(device=sharded.padded_shard.device)
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            local.clone(),
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
-    return local.clone()
+    local = local.to(device=sharded.padded_shard.device).clone()
+    return _dtensor_like(param, local) if isinstance(param, DTensor) else local
 
 
 def _shape_error(name: str, value: torch.Tensor, param: ShardedParam) -> ValueError:
@@ -274,12 +265,20 @@ def _to_cpu(value: torch.Tensor) -> torch.Tensor:
     if value.device.type == "cpu":
         return value
     if isinstance(value, DTensor):
-        return DTensor.from_local(
-            value.to_local().cpu(),
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        return _dtensor_like(value, value.to_local().cpu())
     return value.cpu()
+
+
+def _dtensor_like(like: Any, local: torch.Tensor) -> Any:
+    """``local`` as this rank's part of a ``DTensor`` with ``like``'s mesh, placements, shape
+    and stride."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )

@@ -36,15 +36,7 @@ from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
-from .api import (
-    BackwardPrefetch,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    OptimStateDictConfig,
-    StateDictConfig,
-    StateDictType,
-    TrainingState,
-)
+from .api import BackwardPrefetch, TrainingState, default_state_dict_settings
 
 __all__ = [
     "WRAPPED_MODULE_NAME",
@@ -164,9 +156,7 @@ class FSDPState:
         # replace the graph-order prefetch of that pass and apply from the first iteration.
         self.forward_prefetch_targets: list[FSDPState] | None = None
         self.backward_prefetch_targets: list[FSDPState] | None = None
-        self.state_dict_type = StateDictType.FULL_STATE_DICT
-        self.state_dict_config: StateDictConfig = FullStateDictConfig()
-        self.optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        self.state_dict_settings = default_state_dict_settings()  # see _state_dict_types
         self.in_state_dict = False  # an enclosing instance is building a full state dict
         self.streams: CudaStreams | None = None  # root only, on CUDA
         self.fqn = ""

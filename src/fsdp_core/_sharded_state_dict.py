@@ -37,7 +37,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ._param import ShardedParam, _contiguous_stride, local_tensor
 from ._runtime import FSDPState, clean_fqn, state_of, states_in
-from ._state_dict import _buffer_orig_dtypes, _plain_state_dicts, validate_idle
+from ._state_dict import (
+    _buffer_orig_dtypes,
+    _plain_state_dicts,
+    copy_metadata,
+    saved_entry,
+    validate_idle,
+)
 from ._unit import FSDPUnit
 
 __all__ = ["FLAT_PARAM", "load_sharded_state_dict", "sharded_state_dict", "unit_dtensor"]
@@ -104,7 +110,7 @@ def sharded_state_dict(module: nn.Module, prefix: str = "", *, local: bool = Fal
     own = _own_state(module)
     states = states_in(module)
     validate_idle("state_dict", states)
-    offload = own.state_dict_config.offload_to_cpu
+    offload = own.state_dict_settings.state_dict_config.offload_to_cpu
     owners = _param_owners(states)
     flat_keys = _flat_param_keys(module, prefix, states) if local else {}
     with _plain_state_dicts(module):
@@ -124,21 +130,11 @@ def sharded_state_dict(module: nn.Module, prefix: str = "", *, local: bool = Fal
             shard = param.sharded.detach()
             result[name] = unit_dtensor(unit, shard.cpu() if offload else shard, param.full_shape)
             continue
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if name in orig_dtypes:
-                value = value.to(orig_dtypes[name])
-            if offload:
-                value = value.cpu()
-        result[name] = value
+        result[name] = saved_entry(value, orig_dtypes.get(name), offload)
     for unit_id, flat_key in flat_keys.items():  # units none of whose slots are in the dict
         unit = next(u for _, u in owners.values() if id(u) == unit_id)
         result[flat_key] = _flat_shard_dtensor(unit, offload)
-    metadata = getattr(raw, "_metadata", None)
-    if metadata is not None:
-        result._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (clean_fqn(k), v) for k, v in metadata.items()
-        )
+    copy_metadata(raw, result)
     return result
 
 

@@ -54,7 +54,7 @@ def full_state_dict(module: nn.Module, prefix: str = "") -> OrderedDict[str, Any
     own = state_of(module)
     if own is None:
         raise AssertionError(f"[rank {dist.get_rank()}] full_state_dict needs an FSDP instance")
-    config = own.state_dict_config
+    config = own.state_dict_settings.state_dict_config
     if not isinstance(config, FullStateDictConfig):
         raise AssertionError(f"[rank {dist.get_rank()}] FULL_STATE_DICT with {config!r}")
     with (
@@ -74,19 +74,31 @@ def full_state_dict(module: nn.Module, prefix: str = "") -> OrderedDict[str, Any
     orig_dtypes = _buffer_orig_dtypes(module, prefix)
     for key, value in raw.items():
         name = clean_fqn(key)
-        if isinstance(value, torch.Tensor):
-            if name in orig_dtypes:
-                value = value.to(orig_dtypes[name])
-            if config.offload_to_cpu:
-                value = value.cpu()
-        result[name] = value
+        result[name] = saved_entry(value, orig_dtypes.get(name), config.offload_to_cpu)
+    copy_metadata(raw, result)
+    return result
+
+
+def saved_entry(value: Any, orig_dtype: torch.dtype | None, offload: bool) -> Any:
+    """A state dict value as saved: tensors detached, a buffer back in its original dtype
+    (``orig_dtype``, under mixed precision), on the CPU when ``offload``."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if orig_dtype is not None:
+            value = value.to(orig_dtype)
+        if offload:
+            value = value.cpu()
+    return value
+
+
+def copy_metadata(raw: Mapping[str, Any], result: OrderedDict[str, Any]) -> None:
+    """Give ``result`` the ``_metadata`` of ``raw`` under clean names (the versions modules
+    check on load); the inner module's entry comes after its wrapper's and wins."""
     metadata = getattr(raw, "_metadata", None)
     if metadata is not None:
-        # The inner module's entry comes after its wrapper's and wins (its version matters).
         result._metadata = OrderedDict(  # type: ignore[attr-defined]
             (clean_fqn(k), v) for k, v in metadata.items()
         )
-    return result
 
 
 def load_full_state_dict(

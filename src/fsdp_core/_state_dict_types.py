@@ -32,6 +32,7 @@ from .api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    default_state_dict_settings,
 )
 
 __all__ = [
@@ -88,11 +89,10 @@ def set_state_dict_type(
                 f"got {given!r}; pass {expected.__name__}(...) or None for its defaults."
             )
     states = states_in(module)
-    previous = _settings_of(states[0]) if states else _defaults()
+    previous = states[0].state_dict_settings if states else default_state_dict_settings()
+    settings = StateDictSettings(state_dict_type, config, optim_config)
     for state in states:
-        state.state_dict_type = state_dict_type
-        state.state_dict_config = config
-        state.optim_state_dict_config = optim_config
+        state.state_dict_settings = settings
     return previous
 
 
@@ -102,7 +102,7 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     Args:
         module: an FSDP instance or a module containing some.
     """
-    settings = {_settings_of(state) for state in states_in(module)}
+    settings = {state.state_dict_settings for state in states_in(module)}
     if not settings:
         raise ValueError(
             f"get_state_dict_type: {type(module).__name__} contains no FSDP instance; pass a "
@@ -127,21 +127,19 @@ def state_dict_type(
     """Context manager: ``set_state_dict_type`` with the same arguments for its duration,
     each instance's previous settings restored on exit (torch's ``FSDP.state_dict_type``)."""
     states = states_in(module)
-    previous = [_settings_of(s) for s in states]
+    previous = [s.state_dict_settings for s in states]
     set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
     try:
         yield
     finally:
         for state, settings in zip(states, previous, strict=True):
-            state.state_dict_type = settings.state_dict_type
-            state.state_dict_config = settings.state_dict_config
-            state.optim_state_dict_config = settings.optim_state_dict_config
+            state.state_dict_settings = settings
 
 
 def save_state_dict(module: nn.Module, prefix: str = "") -> Any:
     """The state dict of the FSDP instance ``module`` in its current layout."""
     _refuse_dcp_model_and_optimizer_functions(module)
-    kind = _own(module).state_dict_type
+    kind = _own(module).state_dict_settings.state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
         return full_state_dict(module, prefix)
     return sharded_state_dict(module, prefix, local=kind is StateDictType.LOCAL_STATE_DICT)
@@ -152,7 +150,7 @@ def load_state_dict(
 ) -> _IncompatibleKeys:
     """Load ``state_dict`` (in the current layout) into the FSDP instance ``module``."""
     _refuse_dcp_model_and_optimizer_functions(module)
-    kind = _own(module).state_dict_type
+    kind = _own(module).state_dict_settings.state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
         return load_full_state_dict(module, state_dict, strict=strict)
     local = kind is StateDictType.LOCAL_STATE_DICT
@@ -198,15 +196,3 @@ def _own(module: nn.Module) -> FSDPState:
     if state is None:
         raise AssertionError(f"{type(module).__name__} is not an FSDP instance")
     return state
-
-
-def _settings_of(state: FSDPState) -> StateDictSettings:
-    return StateDictSettings(
-        state.state_dict_type, state.state_dict_config, state.optim_state_dict_config
-    )
-
-
-def _defaults() -> StateDictSettings:
-    return StateDictSettings(
-        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
-    )

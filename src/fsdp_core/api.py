@@ -275,3 +275,10 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+def default_state_dict_settings() -> StateDictSettings:
+    """Full state dicts with the default configurations: every FSDP instance starts so."""
+    return StateDictSettings(
+        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+    )

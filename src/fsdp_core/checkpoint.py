@@ -135,8 +135,7 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd} if _as_tuple(optimizers) else {"model": model_sd}
+    state = _checkpoint_state(model, optimizers)
     dcp.save(state, checkpoint_id=checkpoint_id, process_group=process_group)
 
 
@@ -161,9 +160,10 @@ def load(
     """
     import torch.distributed.checkpoint as dcp
 
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd} if _as_tuple(optimizers) else {"model": model_sd}
-    _validate_shapes(model_sd, dcp.FileSystemReader(checkpoint_id).read_metadata(), checkpoint_id)
+    state = _checkpoint_state(model, optimizers)
+    _validate_shapes(
+        state["model"], dcp.FileSystemReader(checkpoint_id).read_metadata(), checkpoint_id
+    )
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
     set_state_dict(
         model,
@@ -171,6 +171,15 @@ def load(
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
     )
+
+
+def _checkpoint_state(
+    model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """What :func:`save` writes and :func:`load` fills: ``{"model": ..., "optim": ...}``
+    from :func:`get_state_dict` (no ``"optim"`` entry without optimizers)."""
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    return {"model": model_sd, "optim": optim_sd} if _as_tuple(optimizers) else {"model": model_sd}
 
 
 def _validate_shapes(model_sd: dict[str, Any], metadata: Any, path: object) -> None:
