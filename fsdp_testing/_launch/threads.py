@@ -52,8 +52,11 @@ def _wake_threaded_group() -> None:
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
     group = mtpg.ProcessLocalGroup
-    # Only the launcher's thread sets or clears this event, so its lock is free.
-    group._terminate.set()
+    # A set event in place of the old one: Event.set() would take the old event's lock, which
+    # a rank stopped inside it may hold forever. The waits read it through the class.
+    terminate = threading.Event()
+    terminate.set()
+    group._terminate = terminate
     for coll in list(group._cur_coll_on_pgs.values()):
         for cond in (coll._start_cond, coll._done_cond):
             if acquire_briefly(cond):
