@@ -18,10 +18,11 @@ of 128 ranks once deadlocked in teardown (issue 23). The rules that keep that fr
   is sent the exception, and only while its innermost frame is outside ``threading`` (checked
   again every few milliseconds until the stop window closes). Ranks blocked in a collective
   leave it on being woken and are never interrupted inside the wait.
-- Every wait of the launcher is bounded by the test's deadline plus ``STOP_WAIT_S``: a rank
+- Every wait of the launcher is bounded: by the test's deadline, then by the stop window
+  (``STOP_WAIT_S`` after the last stopped rank that ended, ``_STOP_LIMIT_S`` at most). A rank
   that cannot be stopped is reported as such and left behind (a daemon thread), never waited
-  for. A rank that finished its body but not its teardown by the deadline fails the test,
-  named, with its stack.
+  for. A rank that finished its body but not its teardown by the test's timeout fails the
+  test, named, with its stack.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ from fsdp_testing._report.observation import Observation
 __all__ = ["STOP_WAIT_S", "Aborted", "RankThreads", "acquire_briefly"]
 
 STOP_WAIT_S = 2.0
-"""How long stopped rank threads may take to unwind before they count as unstoppable."""
+"""How long stopped rank threads may take to unwind, after the last one that did, before the
+rest count as unstoppable."""
+_STOP_LIMIT_S = 20.0
+"""The longest the launcher waits for stopped ranks in all."""
 _POLL_S = 0.02
 _THREADING_FILE = threading.__file__
 
@@ -113,18 +117,21 @@ class RankThreads:
         if not stuck:
             return
         obs = self.obs
+        in_body = [r for r in stuck if r not in obs.results]
+        # Ranks that reported are stopped only when their teardown alone outlived the timeout.
+        to_stop = in_body or stuck
         frames = sys._current_frames()
-        for rank in stuck:
+        for rank in to_stop:
             frame = frames.get(self.threads[rank].ident or -1)
             obs.stacks[rank] = "".join(traceback.format_stack(frame)) if frame else ""
         obs.records = snapshot()
-        in_body = [r for r in stuck if r not in obs.results]
         obs.stragglers = set(in_body)
-        self._stop(stuck)
+        self._stop(stuck, interrupt=set(to_stop))
         for rank in in_body:
             obs.results.pop(rank, None)
-        for rank in sorted(set(stuck) - set(in_body)):
-            obs.results[rank] = _teardown_failure(rank, obs)
+        if not in_body:
+            for rank in stuck:
+                obs.results[rank] = _teardown_failure(rank, obs)
 
     def wake_once(self) -> None:
         """Wake the ranks' waits (the first call only). See [Note: stopping rank threads]."""
@@ -133,38 +140,54 @@ class RankThreads:
             self._wake()
 
     def _wait(self, deadline: Deadline) -> list[int]:
-        """Wait until every thread ended; return the ranks still running when it gave up."""
+        """Wait until every thread ended; return the ranks still running when it gave up.
+
+        Ranks still in their test body are waited for under ``deadline`` (the failure grace
+        restarting whenever another rank reports); ranks that reported and are only tearing
+        down, until the timeout itself."""
+        results = self.obs.results
+        reported = 0
         while True:
             alive = [r for r, t in self.threads.items() if t.is_alive()]
             if not alive:
                 return []
+            in_body = [r for r in alive if r not in results]
             if not deadline.failed and any(
-                res.outcome is Outcome.FAILED for res in list(self.obs.results.values())
+                res.outcome is Outcome.FAILED for res in list(results.values())
             ):
                 deadline.note_failure()
                 if self._wake_on_failure:
                     self.wake_once()
-            if deadline.expired():
-                self.obs.timed_out = deadline.timed_out(
-                    any(r not in self.obs.results for r in alive)
-                )
+            elif len(results) > reported:
+                deadline.note_progress()
+            reported = len(results)
+            left = deadline.remaining() if in_body else deadline.timeout_remaining()
+            if left <= 0.0:
+                self.obs.timed_out = deadline.timed_out(bool(in_body))
                 return alive
-            self.threads[alive[0]].join(min(_POLL_S, deadline.remaining()))
+            self.threads[alive[0]].join(min(_POLL_S, left))
 
-    def _stop(self, ranks: list[int]) -> None:
+    def _stop(self, ranks: list[int], interrupt: set[int]) -> None:
+        """Wake the waits, interrupt the ranks in ``interrupt`` (see [Note: stopping rank
+        threads]) and wait for ``ranks`` until ``STOP_WAIT_S`` after the last one ended
+        (``_STOP_LIMIT_S`` at most); interrupted ranks still running are unstoppable."""
         self.wake_once()
         pending = {r: self.threads[r] for r in ranks}
         interrupted: set[int] = set()
-        until = time.monotonic() + STOP_WAIT_S
+        start = time.monotonic()
+        until = start + STOP_WAIT_S
         while pending and time.monotonic() < until:
             for rank, thread in list(pending.items()):
                 if not thread.is_alive():
                     del pending[rank]
-                elif rank not in interrupted and not _in_threading(thread):
+                    until = min(start + _STOP_LIMIT_S, time.monotonic() + STOP_WAIT_S)
+                elif rank in interrupt and rank not in interrupted and not _in_threading(thread):
                     _raise_in(thread)
                     interrupted.add(rank)
             time.sleep(_POLL_S)
-        self.obs.unstoppable.update(r for r, t in pending.items() if t.is_alive())
+        self.obs.unstoppable.update(
+            r for r, t in pending.items() if r in interrupt and t.is_alive()
+        )
 
 
 def _teardown_failure(rank: int, obs: Observation) -> RankResult:

@@ -11,6 +11,8 @@ __all__ = [
     "KNOWN_BACKENDS",
     "DistSpec",
     "Mode",
+    "fake_ranks",
+    "mode_named",
     "parse_marker",
 ]
 
@@ -169,3 +171,29 @@ def parse_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistSpec
 def _fmt_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
     return "(" + ", ".join(parts) + ")"
+
+
+def mode_named(value: str | None, default: Mode, owner: str) -> Mode:
+    """The mode a unittest class's ``dist_mode`` attribute names (``default`` for None)."""
+    if value is None:
+        return default
+    try:
+        return Mode(value)
+    except ValueError:
+        raise ValueError(
+            f"{owner}.dist_mode = {value!r}: use one of "
+            f"{', '.join(repr(m.value) for m in Mode)} (or leave it None)"
+        ) from None
+
+
+def fake_ranks(value: Any, world_size: int, owner: str) -> list[int]:
+    """The ranks a unittest class's ``fake_rank`` attribute names, each checked against
+    ``world_size``."""
+    ranks = list(value) if isinstance(value, (list, tuple)) else [value]
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(
+                f"{owner}.fake_rank: {rank!r} is not a rank of a world of {world_size}; use "
+                f"0..{world_size - 1}"
+            )
+    return ranks
