@@ -77,17 +77,17 @@ class Baton:
             LocalDeadlock: no rank can run any more and ``done()`` is still false.
             Aborted: a peer failed and nothing can run, or the launcher stopped the world.
         """
-        if done():
-            return
-        with self._cond:
-            if self._aborted:
-                raise Aborted()
-            self._waiting[rank] = what
-            self._holder = None
-            self._dispatch()
-            self._wait_turn(rank)
-        if not done():
-            self._raise_stuck(rank)
+        while not done():
+            with self._cond:
+                if self._aborted:
+                    raise Aborted()
+                self._waiting[rank] = what
+                self._holder = None
+                self._dispatch()
+                self._wait_turn(rank)
+            if not done() and self.broken:
+                self._raise_stuck(rank)
+            # else: woken for a message that was not the one awaited (a receive): wait again
 
     def wake(self, ranks: list[int]) -> None:
         """The holder completed a collective: ``ranks`` that waited in it can run again."""

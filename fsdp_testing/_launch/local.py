@@ -47,9 +47,10 @@ class LocalLauncher:
             pass
         local_group.register_backend()
         threads_before = torch.get_num_threads()
-        # As many intra-op threads as a process-mode rank has (rank_process.py): kernels that
-        # split work by thread count then add up the same way.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if "OMP_NUM_THREADS" not in os.environ:
+            # As many intra-op threads as a process-mode rank has (rank_process.py): kernels
+            # that split work by thread count then add up the same way.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         baton = Baton(world_size)
         local_group.set_current_world(local_group.LocalWorld(baton))
         _set_thread_isolation(True)

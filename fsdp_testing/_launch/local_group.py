@@ -52,6 +52,9 @@ class LocalWorld:
     def __init__(self, baton: Baton) -> None:
         self.baton = baton
         self.meetings: dict[tuple[str, int], _Meeting] = {}
+        # (group, source group rank, destination group rank, tag) -> tensors sent, oldest first
+        self.mailbox: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
+        self.receiving: dict[int, bool] = {}  # ranks waiting in a receive
 
 
 _current: LocalWorld | None = None
@@ -76,6 +79,12 @@ def _op_name(opts: Any) -> str:
 def _reduce_op(opts: Any) -> Any:
     op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
     return getattr(op, "op", op)
+
+
+def _completed(result: Any) -> dist.Work:
+    future: Future[Any] = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -156,9 +165,7 @@ class LocalGroup(dist.ProcessGroup):
             world.baton.block(me, what, lambda: meeting.done)
         if meeting.error is not None:
             raise RuntimeError(f"[rank {me}] mode='local': {meeting.error}")
-        future: Future[Any] = Future()
-        future.set_result(result)
-        return _create_work_from_future(future)
+        return _completed(result)
 
     def _label(self) -> str:
         if self._default:
@@ -373,6 +380,41 @@ class LocalGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._meet("barrier()", None, lambda payloads: None)
+
+    # --- point to point (a send is buffered; a receive waits for its message) -------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        box = self._world.mailbox.setdefault((self._name, self._rank, dst, tag), [])
+        box.append(tensors[0].detach().clone())
+        peer = self._global_ranks[dst]
+        if self._world.receiving.get(peer):
+            self._world.baton.wake([peer])  # it looks at its mailbox again
+        return _completed([])
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return self._receive(tensors[0], [src], tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        return self._receive(tensors[0], [r for r in range(self._size) if r != self._rank], tag)
+
+    def _receive(self, tensor: torch.Tensor, sources: list[int], tag: int) -> dist.Work:
+        world, me = self._world, self._global_ranks[self._rank]
+        keys = [(self._name, src, self._rank, tag) for src in sources]
+
+        def ready() -> bool:
+            return any(world.mailbox.get(key) for key in keys)
+
+        if not ready():
+            what = f"recv({_describe('', [tensor])[1:-1]}, from group rank "
+            what += f"{sources[0] if len(sources) == 1 else 'any'}, tag {tag}) on {self._label()}"
+            world.receiving[me] = True
+            try:
+                world.baton.block(me, what, ready)
+            finally:
+                world.receiving.pop(me, None)
+        key = next(key for key in keys if world.mailbox.get(key))
+        tensor.detach().copy_(world.mailbox[key].pop(0))
+        return _completed([tensor])
 
 
 def create_local_group(options: Any, backend_options: Any) -> LocalGroup:

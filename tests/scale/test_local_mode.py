@@ -98,6 +98,17 @@ def test_every_collective(rank: int, world_size: int) -> None:
     box = [f"from {rank}"]
     dist.broadcast_object_list(box, src=3)
     assert box == ["from 3"]
+    if rank == 0:  # waits (rank 3 has not run yet), then sends on
+        got = torch.empty(2)
+        dist.recv(got, src=3)
+        assert got.tolist() == [3.0, 3.0]
+        dist.send(torch.full((2,), 0.5), dst=1)
+    elif rank == 1:
+        got = torch.empty(2)
+        dist.recv(got, src=0)
+        assert got.tolist() == [0.5, 0.5]
+    elif rank == 3:
+        dist.send(torch.full((2,), 3.0), dst=0)
     dist.barrier()
 
 
