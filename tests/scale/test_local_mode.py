@@ -18,10 +18,6 @@ import torch.nn as nn
 
 from fsdp_testing.testcase import MultiProcessTestCase
 
-_turns: list[tuple[int, int]] = []
-_running: list[int] = []
-
-
 @pytest.mark.distributed(world_size=16, mode="local")
 def test_every_rank_has_its_own_process_state(rank: int) -> None:
     # In thread mode the ranks share one generator: seeded on 16 threads at once, each draws
@@ -42,17 +38,25 @@ def test_every_rank_has_its_own_process_state(rank: int) -> None:
     assert torch.get_default_dtype() == (torch.float64 if rank % 2 else torch.float32)
 
 
+@pytest.fixture
+def shared() -> dict[str, list]:
+    """One object every rank of a local world sees (fixtures are computed once)."""
+    return {"turns": [], "running": []}
+
+
 @pytest.mark.distributed(world_size=8, mode="local")
-def test_ranks_take_turns_lowest_first(rank: int, world_size: int) -> None:
+def test_ranks_take_turns_in_a_fixed_order(rank: int, world_size: int, shared: dict) -> None:
     for step in range(2):
-        _running.append(rank)
-        assert len(_running) == 1, f"ranks {_running} run at once"
-        _turns.append((rank, step))
-        _running.pop()
+        shared["running"].append(rank)
+        assert len(shared["running"]) == 1, f"ranks {shared['running']} run at once"
+        shared["turns"].append((rank, step))
+        shared["running"].pop()
         dist.barrier()
-    if rank == world_size - 1:
-        assert _turns == [(r, s) for s in range(2) for r in range(world_size)]
-        _turns.clear()
+    # Ranks start lowest first; the last to reach a collective goes on, then the lowest waiting.
+    last = world_size - 1
+    expected = [(r, 0) for r in range(world_size)] + [(last, 1)]
+    expected += [(r, 1) for r in range(last)]
+    assert shared["turns"] == expected
 
 
 @pytest.mark.distributed(world_size=8, mode="local")
