@@ -144,7 +144,7 @@ class _MethodTask:
     file_name: str
 
     def run_on_rank(self, ctx: RankContext) -> None:
-        from fsdp_testing._rank.import_test import resolve
+        from fsdp_testing._rank.resolve import resolve
 
         cls = resolve(self.cls_ref)
         token = _on_rank.set(True)
