@@ -194,6 +194,9 @@ def test_reshard_after_forward_gathers_twice_and_lowers_the_peak(rank, process_g
     # Block 0's backward reads no parameter of its own (the batch needs no gradient, so only
     # dW0 = dy^T x is computed): nothing to gather again. Every later block is gathered twice.
     assert gathers == {"0": 1, **{str(i): 2 for i in range(1, blocks)}}
+    assert resharded.gathers_per_unit() == gathers
+    assert step.gathers_per_unit() == {str(i): 1 for i in range(blocks)}
+    assert [unit.fqn for unit in resharded.units] == [str(i) for i in range(blocks)]
     unit_bytes = dim * dim * 4
     before, _ = peak_memory(step.gm)
     after, _ = peak_memory(resharded.gm)
