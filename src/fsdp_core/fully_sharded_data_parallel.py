@@ -264,6 +264,8 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._fsdp_state
+        if state.hooks_suspended:  # see fsdp_core.debug.suspend_hooks
+            return self.module(*args, **kwargs)
         args, kwargs = state.pre_forward(args, kwargs)
         output = self.module(*args, **kwargs)
         return state.post_forward(output)
