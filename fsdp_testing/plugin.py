@@ -129,11 +129,18 @@ def pytest_configure(config: pytest.Config) -> None:
 # --- a launched job (torchrun, srun, a PyTorchJob): see docs/multinode.md -------------------
 
 
+def _job() -> Any:
+    try:
+        return job_env()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     # Every process of a launched job but the first serves ranks of the first one's session
     # instead of running a session of its own (see [Note: jobs across nodes] in _launch/job.py).
-    job = job_env()
+    job = _job()
     if job is None or job.rank == 0 or config.option.help or config.option.version:
         return None
     from fsdp_testing._launch.job_slot import serve_slot
@@ -142,7 +149,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 
 
 def _start_job(config: pytest.Config) -> None:
-    job = job_env()
+    job = _job()
     if job is None:
         return
     if getattr(config.option, "numprocesses", None):
@@ -277,7 +284,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         resolve_backend(spec, item.config.stash[_settings_key].backend)
     except UnavailableBackend as exc:
         pytest.skip(str(exc))
-    job = job_env()
+    job = _job()
     if job is not None and spec.mode is Mode.PROCESS and spec.world_size > job.world_size:
         pytest.skip(
             f"{job.describe()} has world size {job.world_size}; the test needs "

@@ -21,10 +21,7 @@ __all__ = [
     "OPT_OUT_ENV",
     "JobEnv",
     "expand_nodelist",
-    "in_launched_job",
     "job_env",
-    "launched_rank",
-    "launched_world_size",
     "read_job_env",
 ]
 
@@ -217,22 +214,3 @@ def read_job_env(environ: Mapping[str, str]) -> JobEnv | None:
 def job_env() -> JobEnv | None:
     """This process's job (read once from ``os.environ``), or None for a plain session."""
     return read_job_env(os.environ)
-
-
-def in_launched_job() -> bool:
-    """Whether this process is one of the processes of a launched job."""
-    return job_env() is not None
-
-
-def launched_rank() -> int:
-    """This process's global rank in the launched job."""
-    job = job_env()
-    assert job is not None, "launched_rank() outside a launched job"
-    return job.rank
-
-
-def launched_world_size() -> int:
-    """The number of processes in the launched job."""
-    job = job_env()
-    assert job is not None, "launched_world_size() outside a launched job"
-    return job.world_size
