@@ -170,6 +170,8 @@ class Slot:
         self._next = 0
         self._last_beat = 0.0
         self._last_message = time.monotonic()
+        self._stopping = False
+        """Set while the rank processes are stopped at the end: the store may be gone."""
 
     # --- the store ------------------------------------------------------------------------
 
@@ -178,7 +180,7 @@ class Slot:
 
     def _beat(self) -> None:
         now = time.monotonic()
-        if now - self._last_beat >= BEAT_S:
+        if now - self._last_beat >= BEAT_S and not self._stopping:
             self._store.add(f"alive/{self._rank}", 1)
             self._last_beat = now
 
@@ -199,16 +201,25 @@ class Slot:
             time.sleep(POLL_S if idle < 2.0 else IDLE_POLL_S)
 
     def _await_first_process_exit(self) -> None:
-        # Only where the launcher hosts the store (torchrun's agent): one that rank 0 hosts
-        # goes away with it, and a slot still reading it would make c10d log the broken pipe.
-        deadline = time.monotonic() + EXIT_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if self._store.check([EXITING_KEY]):
-                    return
-            except Exception:
-                return  # its store went with it
-            time.sleep(POLL_S)
+        # Only where the launcher hosts the store (torchrun's agent; one that rank 0 hosts goes
+        # away with it). The agent may stop, and its store with it, between two reads: c10d
+        # would log the broken pipe on stderr, which has nothing else to say by now.
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        try:
+            deadline = time.monotonic() + EXIT_WAIT_S
+            while time.monotonic() < deadline:
+                try:
+                    if self._store.check([EXITING_KEY]):
+                        return
+                except Exception:
+                    return  # its store went with it
+                time.sleep(POLL_S)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
     def _pause(self, seconds: float) -> None:
         until = time.monotonic() + seconds
@@ -421,6 +432,7 @@ class Slot:
             if time.monotonic() > deadline:
                 self._signal(child.pid, signal.SIGKILL)
                 deadline = time.monotonic() + 5.0
+            self._beat()
             time.sleep(POLL_S)
 
     @staticmethod
@@ -441,6 +453,7 @@ class Slot:
         shutil.rmtree(child.gen_dir, ignore_errors=True)
 
     def _stop_children(self) -> None:
+        self._stopping = True
         while self._children:
             self._kill(self._children.popitem()[1])
 

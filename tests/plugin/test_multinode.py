@@ -22,7 +22,7 @@ import pytest
 from .._scenario import SCENARIOS, line_of, processes_tagged
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-HANG_TIMEOUT_S = 4  # the marker's timeout in scenarios/test_multinode.py
+HANG_TIMEOUT_S = 3  # the marker's timeout in scenarios/test_multinode.py
 JOB_LIMIT_S = 240.0
 """Whole-job bound: a job of a few seconds, with room for a loaded two-core CI machine."""
 _TORCH_LOG = re.compile(r"^[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
@@ -143,8 +143,9 @@ def srun_job(tmp_path_factory: pytest.TempPathFactory) -> Job:
             SLURM_STEP_NUM_TASKS="4",
             SLURM_JOB_NODELIST="127.0.0.[1-2]",
             SLURM_STEP_NODELIST="127.0.0.[1-2]",
-            # Rank 3's slot is killed on purpose: notice it in 6 s rather than 10.
-            FSDP_TESTING_JOB_LIVENESS_S="6",
+            # Rank 3's slot is killed on purpose: notice it in 4 s rather than 10 (a live
+            # slot bumps its counter every half second).
+            FSDP_TESTING_JOB_LIVENESS_S="4",
         )
         envs.append(env)
     command = [sys.executable, *PYTEST_ARGS, "--junitxml=report.xml", "test_multinode_srun.py"]

@@ -28,7 +28,7 @@ def test_rank_three_fails(rank):
     assert rank != 3, "rank three disagrees"
 
 
-@pytest.mark.distributed(world_size=4, timeout=4)
+@pytest.mark.distributed(world_size=4, timeout=3)
 def test_rank_three_hangs(rank):
     if rank == 3:
         time.sleep(600)
