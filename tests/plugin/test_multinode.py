@@ -73,7 +73,9 @@ def _run_job(
                         cwd=workdir,
                         stdout=f,
                         stderr=subprocess.STDOUT,
-                        env={**env, "SCENARIO_TAG": tag},
+                        # Temporary files in the test's folder: a slot killed on purpose
+                        # cannot remove its own.
+                        env={**env, "SCENARIO_TAG": tag, "TMPDIR": str(workdir)},
                         start_new_session=True,
                     )
                 )
