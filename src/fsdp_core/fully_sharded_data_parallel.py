@@ -17,7 +17,7 @@ from . import wrap as _wrap
 from ._clip_grad import clip_grad_norm
 from ._full_params import apply_with_full_params
 from ._full_params import summon_full_params as _summon_full_params
-from ._param import ParamSpec
+from ._param import DTensorLayout, ParamSpec
 from ._precision import UnitPrecision
 from ._runtime import (
     WRAPPED_MODULE_NAME,
@@ -239,6 +239,8 @@ class FullyShardedDataParallel(nn.Module):
                 self._unit_groups,
                 precision=UnitPrecision.resolve(policy, specs[0].param.dtype),
                 offload_params=self.cpu_offload.offload_params,
+                # See [Note: the wrapper's DTensor parameters].
+                layout=DTensorLayout.of_groups(self._unit_groups, specs[0].param.device.type),
             )
         # Ids of the original parameters this instance and its nested instances took over.
         self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | nested
@@ -378,6 +380,7 @@ class FullyShardedDataParallel(nn.Module):
     get_state_dict_type = staticmethod(_state_dict_types.get_state_dict_type)
     optim_state_dict = staticmethod(_optim_state.optim_state_dict)
     optim_state_dict_to_load = staticmethod(_optim_state.optim_state_dict_to_load)
+    _fqn_modifiers = _state_dict_types.fqn_modifiers  # for DCP's state dict functions
 
     def state_dict(  # type: ignore[override]
         self,
