@@ -52,8 +52,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Each wrapped module owns the parameters not owned by a nested wrapped module. Between passes
     the module (and ``parameters()``, so the optimizer) sees each rank's dim-0 shard of every
-    parameter; forward and backward all-gather the full parameters once per unit and reduce
-    gradients once per unit. ``named_parameters()`` gives the original names.
+    parameter, a ``DTensor``; forward and backward all-gather the full parameters once per
+    unit and reduce gradients once per unit. ``named_parameters()`` gives the original names.
 
     Args:
         module: the module to wrap.
@@ -95,7 +95,7 @@ class FullyShardedDataParallel(nn.Module):
             prefetching: a prefetch is skipped while two or more non-root units are already
             unsharded, and that unit is gathered when it is needed instead.
         use_orig_params: accepted for compatibility; fsdp_core always exposes the original
-            parameters (as local shards), which is torch's ``use_orig_params=True`` behaviour.
+            parameters (as shards), which is torch's ``use_orig_params=True`` behaviour.
         device_mesh: instead of ``process_group``: a 1-D mesh, or for the hybrid strategies a
             2-D mesh whose dim 0 replicates and dim 1 shards (default ``None``).
     """
@@ -239,7 +239,6 @@ class FullyShardedDataParallel(nn.Module):
                 self._unit_groups,
                 precision=UnitPrecision.resolve(policy, specs[0].param.dtype),
                 offload_params=self.cpu_offload.offload_params,
-                # See [Note: the wrapper's DTensor parameters].
                 layout=DTensorLayout.of_groups(self._unit_groups, specs[0].param.device.type),
             )
         # Ids of the original parameters this instance and its nested instances took over.
