@@ -92,15 +92,12 @@ class DTensorLayout:
     def of_groups(cls, groups: UnitGroups, device_type: str) -> DTensorLayout:
         """The layout of a unit over ``groups`` (see [Note: unit groups] in ``_groups``):
         ``Shard(0)`` on a 1-D mesh of the shard group, ``Replicate()`` on one of the replicate
-        group, or both on a 2-D mesh ``("replicate", "shard")`` of the hybrid grid. Meshes are
-        built once per set of groups and device type."""
+        group, or both on a 2-D mesh ``("replicate", "shard")`` of the hybrid grid. A mesh made
+        from existing groups costs well under a millisecond, so each wrapper instance makes its
+        own (kept by its parameters, none kept beyond them)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Replicate, Shard
 
-        key = (id(groups.shard), id(groups.replicate), device_type)
-        cached = _MESHES.get(key)
-        if cached is not None:
-            return cached[1]
         if groups.shard is not None and groups.replicate is not None:
             mesh = DeviceMesh.from_group(
                 [groups.replicate, groups.shard],
@@ -117,13 +114,7 @@ class DTensorLayout:
             raise AssertionError(
                 f"[rank {dist.get_rank()}] a unit needs a shard or a replicate group"
             )
-        _MESHES[key] = ((groups.shard, groups.replicate), layout)
         return layout
-
-
-# (id(shard group), id(replicate group), device type) -> the groups (kept alive, so the ids stay
-# theirs) and their layout: nested wrappers over the same groups share one mesh.
-_MESHES: dict[tuple[int, int, str], tuple[tuple[Any, Any], DTensorLayout]] = {}
 
 
 @dataclass(frozen=True)
