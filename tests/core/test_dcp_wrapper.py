@@ -205,3 +205,20 @@ def _full_states(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, to
         for key, value in per_param.items():
             found[f"optim.{name}.{key}"] = torch.as_tensor(value).clone()
     return found
+
+
+def test_fsdp_core_never_looks_at_its_callers_frames():
+    """Behaviour never depends on who calls (STYLE.md): no frame inspection in fsdp_core,
+    where the wrapper once walked the stack to refuse DCP's functions."""
+    import pathlib
+
+    import fsdp_core
+
+    root = pathlib.Path(fsdp_core.__file__).parent
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if "_getframe" in line or "inspect.stack" in line or "inspect.currentframe" in line
+    ]
+    assert found == []
