@@ -3,8 +3,9 @@
 An :class:`FSDPState` drives one :class:`~fsdp_core._unit.FSDPUnit` (or none, when the module
 owns no parameters) through a training step. The front door calls :meth:`FSDPState.pre_forward`
 and :meth:`FSDPState.post_forward` around the module's forward (the wrapper from its
-``forward``; a ``fully_shard`` door would register them as module forward hooks); everything in
-backward is driven by autograd hooks the state registers itself:
+``forward``, the composable door from the forward pre-hook and hook it registers on the
+module, see ``_composable/_fsdp_module.ForwardHooks``); ``fsdp_core.debug.suspend_hooks``
+switches both off. Everything in backward is driven by autograd hooks the state registers itself:
 
 - pre-backward: a hook on each forward output that requires grad unshards the unit when the
   gradient reaches it (and prefetches under ``BACKWARD_PRE``);
@@ -43,7 +44,6 @@ __all__ = [
     "FSDPState",
     "RuntimeConfig",
     "clean_fqn",
-    "set_order_tags",
     "state_of",
     "states_in",
 ]
@@ -70,7 +70,8 @@ class RuntimeConfig:
     Args:
         reshard_after_forward: free the unsharded parameters after forward (``True``), keep
             them for backward (``False``), or keep a copy sharded over groups of that many
-            ranks (an int; see [Note: reshard after forward to a smaller world] in ``_unit``).
+            ranks (an int; see [Note: reshard after forward to a smaller world] in
+            ``_post_forward``).
         reshard_root_after_forward: whether the root honours ``reshard_after_forward``; the
             root's parameters are the first that backward needs, so both doors keep them by
             default.
@@ -173,8 +174,11 @@ class FSDPState:
         self._final_callback_queued = False  # root only
         self._hooked_params: set[ShardedParam] = set()  # with a post-accumulate-grad hook
         # Whether the unit's collectives carry order tags; off only to measure their cost (see
-        # ``set_order_tags``).
+        # ``fsdp_core.debug.set_order_check``).
         self.tag_collectives = True
+        # While True the door's forward hooks pass everything through; see
+        # ``fsdp_core.debug.suspend_hooks``.
+        self.hooks_suspended = False
         self._register_post_backward_hooks()
 
     @property
@@ -234,6 +238,13 @@ class FSDPState:
             for state in states:
                 if state.unit is not None:
                     state.unit.streams = self.streams
+
+    def set_order_tags(self, enabled: bool) -> None:
+        """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""
+        self.tag_collectives = enabled
+        unit, order = self.unit, self.exec_order
+        if unit is not None and order is not None:  # else lazy init reads ``tag_collectives``
+            unit.order_tags = order.checker.for_unit(order.index(self)) if enabled else None
 
     def _validate_offloaded_devices(self) -> None:
         """Offloaded shards must stay on the CPU (the module was not moved after wrapping)."""
@@ -479,27 +490,6 @@ class FSDPState:
         if self.root is None:
             raise AssertionError(f"[rank {self._rank}] FSDP state used before lazy init")
         return self.root
-
-
-def set_order_tags(module: nn.Module, *, enabled: bool) -> None:
-    """For measurement only: turn the in-payload order check of ``module``'s FSDP tree on or off.
-
-    ``benchmarks/core_vs_fsdp2.py --order-check-cost`` steps a copy of the model with the check
-    off next to one with it on to measure what the check costs. Training with it off loses the
-    protection of [Note: order check] after the first iteration. Call it between steps, on
-    every rank alike (the tags change the collectives' sizes).
-
-    Args:
-        module: an FSDP instance or a module containing some.
-        enabled: ``True`` (the default state) tags every unit collective, ``False`` none.
-    """
-    for state in states_in(module):
-        state.tag_collectives = enabled
-        unit, order = state.unit, state.exec_order
-        if unit is None or order is None:
-            continue  # lazy init has not run yet: it reads ``tag_collectives``
-        index = order.index(state)
-        unit.order_tags = order.checker.for_unit(index) if enabled else None
 
 
 def clean_fqn(name: str) -> str:

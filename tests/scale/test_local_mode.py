@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fsdp_testing.testcase import MultiProcessTestCase
 
+
 @pytest.mark.distributed(world_size=16, mode="local")
 def test_every_rank_has_its_own_process_state(rank: int) -> None:
     # In thread mode the ranks share one generator: seeded on 16 threads at once, each draws

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._post_forward import PostForwardShards, post_forward_group
 from .._runtime import FSDPState, state_of, states_in
@@ -22,6 +23,7 @@ __all__ = [
     "ForwardHooks",
     "UnshardHandle",
     "api_of",
+    "hooks_of",
     "load_full_tensors_hook",
     "register_fsdp_forward_method",
     "resolve_reshard_after_forward",
@@ -36,6 +38,12 @@ API_KEY = "_fsdp_api"
 def api_of(module: nn.Module) -> str:
     """``"fully_shard"`` or ``"replicate"``: the door that gave ``module`` its state."""
     return str(module.__dict__.get(API_KEY, "fully_shard"))
+
+
+def hooks_of(module: nn.Module) -> ForwardHooks | None:
+    """The forward hooks the composable door gave ``module``, or ``None``."""
+    hooks = module.__dict__.get("_fsdp_forward_hooks")
+    return hooks if isinstance(hooks, ForwardHooks) else None
 
 
 class UnshardHandle:
@@ -184,18 +192,25 @@ class ForwardHooks:
 
     The unit unshards when the first of its modules starts forward and reshards when every
     one of them has finished; a module re-entered (a registered forward method calling
-    ``forward``) counts once.
+    ``forward``) counts once. ``handles`` are the door's hooks on the modules (forward
+    pre-hook, forward hook, load-state-dict pre-hook, per module). While the state's hooks are
+    suspended (``fsdp_core.suspend_hooks``) both hooks pass everything through: a switch
+    rather than removing them through the handles, so that they keep their place among the
+    user's hooks on the same modules.
     """
 
     def __init__(self, state: FSDPState, modules: list[nn.Module]) -> None:
         self.state = state
         self.modules = modules
+        self.handles: list[RemovableHandle] = []
         self._remaining: set[int] = set()
         self._depth: dict[int, int] = {}
 
     def pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.state.hooks_suspended:
+            return args, kwargs
         if not self._remaining:
             self._remaining = {id(m) for m in self.modules}
             args, kwargs = self.state.pre_forward(args, kwargs)
@@ -203,6 +218,8 @@ class ForwardHooks:
         return args, kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.state.hooks_suspended:
+            return output
         depth = self._depth.get(id(module), 0) - 1
         self._depth[id(module)] = depth
         if depth > 0:
