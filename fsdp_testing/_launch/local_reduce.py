@@ -16,8 +16,9 @@ bitwise by ``tests/scale/test_local_exact.py``):
 
 ``reduce_scatter_tensor`` on gloo is an all-reduce of the whole input followed by each rank
 keeping its chunk (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), so it sums in the
-same order over the same segments of the *whole* input; ``allreduce_coalesced`` all-reduces
-the concatenation. Copies (all-gather, broadcast, scatter, gather, all-to-all) are exact in any
+same order over the same segments of the *whole* input; the list form ``reduce_scatter``
+all-reduces each rank's piece on its own; ``allreduce_coalesced`` all-reduces the
+concatenation. Copies (all-gather, broadcast, scatter, gather, all-to-all) are exact in any
 order. MIN and MAX do not depend on the order; PRODUCT follows the ring like SUM.
 """
 

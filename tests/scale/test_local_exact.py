@@ -33,7 +33,7 @@ def _assert_bitwise(gloo: object, local: object, where: str) -> None:
     if isinstance(gloo, torch.Tensor):
         assert isinstance(local, torch.Tensor), where
         assert gloo.dtype == local.dtype and gloo.shape == local.shape, where
-        same = torch.equal(gloo.view(torch.uint8), local.view(torch.uint8))
+        same = torch.equal(gloo.reshape(-1).view(torch.uint8), local.reshape(-1).view(torch.uint8))
         assert same, f"{where}: max difference {(gloo.double() - local.double()).abs().max()}"
     elif isinstance(gloo, dict):
         assert isinstance(local, dict) and gloo.keys() == local.keys(), where
