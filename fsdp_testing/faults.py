@@ -120,7 +120,6 @@ class Fault:
             )
 
 
-
 def kill(rank: int, at: int, *, op: str | None = None) -> Fault:
     """SIGKILL rank ``rank`` just before its ``at``-th collective (of family ``op``)."""
     return Fault(FaultKind.KILL, rank, at, op)

@@ -2,11 +2,12 @@
 and the unittest base classes share.
 
 Each mode is one launcher behind the small :class:`Launcher` protocol (``_launch/base.py``):
-``process`` (the warm pool of forked rank processes, ``_launch/pool.py``), ``thread``/``fake``
-(``_launch/threads.py``), and, when pytest runs on every process of a launched job (torchrun,
-srun, a PyTorchJob), the job's ranks (``_launch/job.py``, started by :func:`start_job`).
-Launchers are created on first use and live until :func:`shutdown` (called when the test
-session ends).
+``process`` (the warm pool of forked rank processes, ``_launch/pool.py``), ``thread``
+(``_launch/threads.py``), ``fake`` (one rank of a world of any size, ``_launch/fake.py``),
+``local`` (every rank in this process with exact collectives, ``_launch/local.py``), and, when
+pytest runs on every process of a launched job (torchrun, srun, a PyTorchJob), the job's ranks
+(``_launch/job.py``, started by :func:`start_job`). Launchers are created on first use and live
+until :func:`shutdown` (called when the test session ends).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class UnavailableBackend(Exception):
 
 def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
     """The backend a test runs on: the marker's, else ``default``, else nccl when CUDA has at
-    least ``world_size`` devices and gloo otherwise; thread and fake modes have their own.
+    least ``world_size`` devices and gloo otherwise; thread, local and fake modes have their own.
 
     Raises:
         UnavailableBackend: nccl was asked for without ``world_size`` CUDA devices.
@@ -79,9 +80,16 @@ def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
                 f"backend={spec.backend!r} does not apply (leave backend unset)"
             )
         return "fake"
+    if spec.mode is Mode.LOCAL:
+        if spec.backend not in (None, "local"):
+            raise ValueError(
+                f"distributed marker: mode='local' runs on its own in-process backend, whose "
+                f"sums equal gloo's; backend={spec.backend!r} does not apply (leave backend unset)"
+            )
+        return "local"
     backend = spec.backend or default
-    if backend in ("threaded", "fake"):
-        mode = "thread" if backend == "threaded" else "fake"
+    if backend in ("threaded", "fake", "local"):
+        mode = {"threaded": "thread", "fake": "fake", "local": "local"}[backend]
         raise ValueError(f"distributed marker: backend={backend!r} needs mode={mode!r}")
     import torch
 
@@ -154,10 +162,18 @@ def get_launcher(mode: Mode) -> Launcher:
             from fsdp_testing._launch.pool import ProcessLauncher
 
             launcher = ProcessLauncher()
+        elif mode is Mode.LOCAL:
+            from fsdp_testing._launch.local import LocalLauncher
+
+            launcher = LocalLauncher()
+        elif mode is Mode.FAKE:
+            from fsdp_testing._launch.fake import FakeLauncher
+
+            launcher = FakeLauncher()
         else:
             from fsdp_testing._launch.threads import ThreadLauncher
 
-            launcher = _launchers.get(Mode.THREAD.value) or ThreadLauncher()
+            launcher = ThreadLauncher()
         _launchers[key] = launcher
     return launcher
 
@@ -173,7 +189,8 @@ def run_distributed(
 
     Args:
         task: what each rank runs.
-        spec: world size, backend, mode and timeout (None: ``settings.timeout``).
+        spec: world size, backend, mode, timeout (None: ``settings.timeout``) and, in fake
+            mode, the rank to play.
         settings: session defaults.
         pool: override ``settings.pool`` for this task.
     """
@@ -184,7 +201,12 @@ def run_distributed(
 
         validate_for_mode(spec.faults, spec.mode.value, spec.world_size)
         task = dataclasses.replace(task, faults=spec.faults)
-    obs = get_launcher(spec.mode).run(
+    launcher = get_launcher(spec.mode)
+    if spec.mode is Mode.FAKE:
+        from fsdp_testing._launch.fake import FakeLauncher
+
+        launcher = FakeLauncher(spec.rank)
+    obs = launcher.run(
         task,
         world_size=spec.world_size,
         backend=backend,

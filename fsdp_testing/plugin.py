@@ -26,6 +26,7 @@ from fsdp_testing._protocol import ENGINE_ENV, RANK_FIXTURES, FunctionRef, RankF
 __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 
 _WS_PARAM = "_fsdp_testing_world_size"
+_RANK_PARAM = "_fsdp_testing_fake_rank"
 _settings_key = pytest.StashKey["Any"]()
 _engine_env_key = pytest.StashKey["str | None"]()
 _exit_status_key = pytest.StashKey[int]()
@@ -97,7 +98,8 @@ def _settings_from(config: pytest.Config) -> Any:
     if backend is not None and backend not in ("gloo", "nccl"):
         raise pytest.UsageError(
             f"--dist-backend / dist_backend must be gloo or nccl, got {backend!r} "
-            f"(thread and fake modes are chosen on the marker: mode='thread' or mode='fake')"
+            "(thread, local and fake modes are chosen on the marker: mode='thread', "
+            "mode='local' or mode='fake')"
         )
     pool = config.getoption("dist_pool")
     if pool is None:
@@ -109,7 +111,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER_SIGNATURE}: run the test body once on each rank of a process group "
-        "(mode: process, thread or fake). A list of world sizes parametrizes the test.",
+        "(mode: process, thread, local or fake; fake plays rank=R of the world). A list of "
+        "world sizes, or of fake ranks, parametrizes the test.",
     )
     config.addinivalue_line(
         "markers",
@@ -258,18 +261,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     ws_arg = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
     if isinstance(ws_arg, (list, tuple)):
         metafunc.fixturenames.append(_WS_PARAM)
-        sizes = [s.world_size for s in specs]
+        sizes = list(dict.fromkeys(s.world_size for s in specs))
         metafunc.parametrize(_WS_PARAM, sizes, ids=[f"ws{n}" for n in sizes])
+    if isinstance(marker.kwargs.get("rank"), (list, tuple)):
+        metafunc.fixturenames.append(_RANK_PARAM)
+        ranks = list(dict.fromkeys(s.rank for s in specs))
+        metafunc.parametrize(_RANK_PARAM, ranks, ids=[f"rank{r}" for r in ranks])
 
 
 def _spec_of(item: pytest.Item) -> DistSpec | None:
     specs = _marker_specs(item)
     if specs is None:
         return None
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and _WS_PARAM in callspec.params:
-        wanted = callspec.params[_WS_PARAM]
-        return next(s for s in specs if s.world_size == wanted)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if _WS_PARAM in params:
+        specs = [s for s in specs if s.world_size == params[_WS_PARAM]]
+    if _RANK_PARAM in params:
+        specs = [s for s in specs if s.rank == params[_RANK_PARAM]]
     return specs[0]
 
 

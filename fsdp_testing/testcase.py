@@ -33,7 +33,7 @@ from fsdp_testing._compat.world import (
     in_test_world,
     scaled_timeout,
 )
-from fsdp_testing._launch.spec import DistSpec, Mode
+from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
@@ -210,6 +210,11 @@ class _DistributedTestCase(TestCase):
     """Process mode: ``"gloo"``/``"nccl"``, None for nccl only with enough GPUs."""
     use_warm_pool: bool = True
     """False: run this class's methods on freshly forked rank processes."""
+    dist_mode: str | None = None
+    """Overrides the class's mode as the marker's ``mode`` does: ``"local"`` (every rank here,
+    exact collectives, 64+ ranks on one core) or ``"fake"`` (rank ``fake_rank`` of any world)."""
+    fake_rank: int | tuple[int, ...] | list[int] = 0
+    """Fake mode: the rank to play; a list runs each method once per rank (default 0)."""
 
     rank: int
     file_name: str
@@ -323,7 +328,11 @@ class _DistributedTestCase(TestCase):
             timeout = timeout.total_seconds()
         if timeout is None and base_timeout is not None:
             timeout = scaled_timeout(base_timeout, world_size)
-        return DistSpec(world_size, self._launch_backend(), self._mode, timeout)
+        return DistSpec(world_size, self._launch_backend(), self._dist_mode(), timeout)
+
+    def _dist_mode(self) -> Mode:
+        """The class's ``dist_mode``, else its own mode."""
+        return mode_named(getattr(type(self), "dist_mode", None), self._mode, type(self).__name__)
 
     def _launch_backend(self) -> str | None:
         """The class's ``backend`` attribute (None: automatic)."""
@@ -365,7 +374,7 @@ class _DistributedTestCase(TestCase):
         os.close(fd)
         os.unlink(file_name)
         test_id = self.id()
-        if self._mode is Mode.PROCESS:
+        if spec.mode is Mode.PROCESS:
             module = sys.modules[type(self).__module__]
             ref = FunctionRef(
                 module.__name__, getattr(module, "__file__", None), type(self).__qualname__
@@ -373,23 +382,34 @@ class _DistributedTestCase(TestCase):
             target: Any = _MethodTask(ref, self._rank_method, file_name)
         else:
             target = _LocalMethodTask(type(self), self._rank_method, file_name)
+        specs = [spec]
+        if spec.mode is Mode.FAKE:
+            ranks = fake_ranks(type(self).fake_rank, spec.world_size, type(self).__name__)
+            specs = [dataclasses.replace(spec, rank=r) for r in ranks]
+        failures: list[str] = []
+        skips: list[str] = []
         try:
-            verdict = run_distributed(
-                Task(target=target, kwargs={}, test_id=test_id),
-                spec,
-                settings,
-                pool=None if self.use_warm_pool else False,
-            )
+            for one in specs:
+                verdict = run_distributed(
+                    Task(target=target, kwargs={}, test_id=test_id),
+                    one,
+                    settings,
+                    pool=None if self.use_warm_pool else False,
+                )
+                played = f"[fake rank {one.rank}] " if len(specs) > 1 else ""
+                for title, content in verdict.sections:
+                    sys.stdout.write(f"----- {played}{title} -----\n{content}")
+                if verdict.outcome is not VerdictOutcome.PASSED:
+                    failed = verdict.outcome is VerdictOutcome.FAILED
+                    (failures if failed else skips).append(f"{played}{verdict.message}")
         finally:
             if os.path.exists(file_name):
                 os.unlink(file_name)
-        for title, content in verdict.sections:
-            sys.stdout.write(f"----- {title} -----\n{content}")
         note = f" [{choice.note}]" if choice.note else ""
-        if verdict.outcome is VerdictOutcome.FAILED:
-            raise DistributedTestFailure(f"{verdict.message}{note}")
-        if verdict.outcome in (VerdictOutcome.SKIPPED, VerdictOutcome.XFAILED):
-            raise unittest.SkipTest(f"{verdict.message}{note}")
+        if failures:
+            raise DistributedTestFailure("\n\n".join(failures) + note)
+        if skips:
+            raise unittest.SkipTest(f"{skips[0]}{note}")
 
     # --- rank side ----------------------------------------------------------------------------
 
@@ -399,7 +419,7 @@ class _DistributedTestCase(TestCase):
         self.file_name = file_name
         try:
             self.setUpRank()
-            if self._mode is Mode.THREAD:
+            if self._dist_mode() in (Mode.THREAD, Mode.LOCAL):
                 self.perThreadSetUp()
         except BaseException as exc:
             exc.add_note(f"in setUpRank on rank {ctx.rank}")
@@ -421,15 +441,15 @@ class _DistributedTestCase(TestCase):
                 f"the test needs an accelerator, which this machine lacks ({reason})"
             ) from exc
         finally:
-            if self._mode is Mode.THREAD:
+            if self._dist_mode() in (Mode.THREAD, Mode.LOCAL):
                 self.perThreadTearDown()
             self.tearDownRank()
 
     def perThreadSetUp(self) -> None:
-        """Thread mode: runs in each rank thread before the method (torch's name)."""
+        """Thread and local mode: runs in each rank thread before the method (torch's name)."""
 
     def perThreadTearDown(self) -> None:
-        """Thread mode: runs in each rank thread after the method (torch's name)."""
+        """Thread and local mode: runs in each rank thread after the method (torch's name)."""
 
 
 class _CompatibleInitProcessGroup:

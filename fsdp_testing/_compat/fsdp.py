@@ -252,8 +252,10 @@ def compiled_fsdp_test(compile_compute_on_module: type | None = None) -> Callabl
     (or only instances of ``compile_compute_on_module``) compiled with ``torch.compile``,
     on CPU too (inductor's C++ backend; torch needs Triton and skips the compiled pass on CPU).
 
-    The test's module-global ``fully_shard`` is swapped for the run (barriers around the swap
-    keep thread ranks in step).
+    The test module's global ``fully_shard`` (torch's when the module has none) is what both
+    runs shard with; for the compiled run it is wrapped, and afterwards the module's global is
+    exactly what it was before, so later tests in the same (warm) rank shard with it too.
+    Barriers around the swap keep thread ranks in step.
 
     Args:
         compile_compute_on_module: compile only modules of this type (default: every one).
@@ -262,7 +264,13 @@ def compiled_fsdp_test(compile_compute_on_module: type | None = None) -> Callabl
     def decorator(func: _F) -> _F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> None:
-            from torch.distributed.fsdp import fully_shard as original
+            from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+            name = torch_fully_shard.__name__
+            module_globals = func.__globals__
+            missing = object()
+            previous = module_globals.get(name, missing)
+            original = torch_fully_shard if previous is missing else previous
 
             def fully_shard_and_compile(*shard_args: Any, **shard_kwargs: Any) -> Any:
                 result = original(*shard_args, **shard_kwargs)
@@ -273,7 +281,6 @@ def compiled_fsdp_test(compile_compute_on_module: type | None = None) -> Callabl
                     module.compile()
                 return result
 
-            name = original.__name__
             for mode in _FullyShardMode:
                 import torch._inductor.config as inductor_config
 
@@ -281,7 +288,7 @@ def compiled_fsdp_test(compile_compute_on_module: type | None = None) -> Callabl
                 _barrier()
                 if mode is _FullyShardMode.COMPILED_COMPUTE:
                     inductor_config.compile_threads = 1
-                func.__globals__[name] = (
+                module_globals[name] = (
                     original if mode is _FullyShardMode.EAGER else fully_shard_and_compile
                 )
                 try:
@@ -291,7 +298,10 @@ def compiled_fsdp_test(compile_compute_on_module: type | None = None) -> Callabl
                     raise
                 finally:
                     _barrier()
-                    func.__globals__[name] = original
+                    if previous is missing:
+                        module_globals.pop(name, None)
+                    else:
+                        module_globals[name] = previous
                     inductor_config.compile_threads = saved_threads
 
         return wrapper  # type: ignore[return-value]

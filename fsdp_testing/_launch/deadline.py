@@ -5,7 +5,9 @@ A test ends when every rank has reported. It is cut short in two ways: at ``time
 (the test hung: every rank still running is a straggler, and the report is a timeout report),
 or ``FAILURE_GRACE_S`` after the first rank failed or died (its peers usually break out of their
 collectives within milliseconds; those that do not are stopped and reported as aborted, not as
-a timeout). Process and thread launchers wait on different things (connections, threads) but
+a timeout). A launcher that sees peers still reporting (128 thread ranks formatting their
+tracebacks on two cores) restarts the grace at each report (``note_progress``); the timeout
+stays the bound. Process and thread launchers wait on different things (connections, threads) but
 ask this one object how long they may still wait.
 """
 
@@ -31,6 +33,15 @@ class Deadline:
         """A rank failed or died: its peers get ``grace`` seconds more, not the full timeout."""
         if self._first_failure is None:
             self._first_failure = time.monotonic()
+
+    def note_progress(self) -> None:
+        """After a failure, another rank reported: the grace starts again from now."""
+        if self._first_failure is not None:
+            self._first_failure = time.monotonic()
+
+    def timeout_remaining(self) -> float:
+        """Seconds left until the timeout itself, whatever failed."""
+        return max(0.0, self._deadline - time.monotonic())
 
     @property
     def failed(self) -> bool:

@@ -1,17 +1,18 @@
-"""Thread mode (one thread per rank over torch's threaded process group) and fake mode (one
-thread playing rank 0 of a world of any size over torch's fake backend), both in this process.
+"""Thread mode: one thread per rank over torch's threaded process group, in this process.
+
+The threads are started, waited for and stopped by ``rank_threads.py`` (see [Note: stopping
+rank threads] there); this module sets up torch's threaded group around them and knows how to
+wake its waits without blocking.
 """
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
-import time
-import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._launch.rank_threads import Aborted, RankThreads, acquire_briefly
 from fsdp_testing._protocol import Outcome, RankResult, Task
 from fsdp_testing._rank.capture import install_router
 from fsdp_testing._rank.context import RankContext
@@ -20,17 +21,10 @@ from fsdp_testing._rank.state_reset import RankState
 from fsdp_testing._report import collective_log
 from fsdp_testing._report.observation import Observation
 
-__all__ = ["ThreadLauncher"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
-STOP_WAIT_S = 2.0
-"""How long a stopped rank thread may take to unwind before it counts as unstoppable."""
-
-
-class _Aborted(BaseException):
-    """Raised asynchronously in a rank thread that the harness stops."""
-
-    def __str__(self) -> str:
-        return "aborted by the harness"
+__all__ = ["ThreadLauncher", "run_rank_threads"]
 
 
 def _set_thread_isolation(enabled: bool) -> None:
@@ -40,122 +34,132 @@ def _set_thread_isolation(enabled: bool) -> None:
     torch._C._distributed_c10d._set_thread_isolation_mode(enabled)  # type: ignore[attr-defined]
 
 
-def _raise_in(thread: threading.Thread) -> None:
-    if thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread.ident), ctypes.py_object(_Aborted)
-        )
+def _fresh_threaded_group_state() -> None:
+    """Give torch's threaded group new locks, a new termination event and no collectives in
+    flight, by assignment: ``ProcessLocalGroup.reset()`` would wait for locks that a rank
+    stopped in the previous run may hold forever. See [Note: stopping rank threads]."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    group = mtpg.ProcessLocalGroup
+    group._coll_lock = threading.Lock()
+    group._cur_coll_on_pgs = {}
+    group._terminate = threading.Event()
+
+
+def _wake_threaded_group() -> None:
+    """Make every rank waiting in a threaded-group collective leave it (torch's collectives
+    exit their rank with "Test termination event occurs"), without blocking."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    group = mtpg.ProcessLocalGroup
+    # A set event in place of the old one: Event.set() would take the old event's lock, which
+    # a rank stopped inside it may hold forever. The waits read it through the class.
+    terminate = threading.Event()
+    terminate.set()
+    group._terminate = terminate
+    for coll in list(group._cur_coll_on_pgs.values()):
+        for cond in (coll._start_cond, coll._done_cond):
+            if acquire_briefly(cond):
+                try:
+                    cond.notify_all()
+                finally:
+                    cond.release()
+
+
+def run_rank_threads(
+    task: Task,
+    *,
+    ranks: list[int],
+    world_size: int,
+    backend: str,
+    timeout: float,
+    store: dist.Store,
+    wake: Callable[[], None],
+    enter: Callable[[int], None] | None = None,
+    leave: Callable[[int, RankResult], None] | None = None,
+    wake_on_failure: bool = True,
+) -> Observation:
+    """Run ``task`` on one thread per rank of ``ranks`` in this process, each joining a
+    ``backend`` group of ``world_size`` through ``store``; shared by thread, fake and local
+    mode. ``enter(rank)`` and ``leave(rank, result)`` run first and last on each rank thread
+    (local mode's baton); ``wake()`` stops the ranks' waits, as soon as a rank fails unless
+    ``wake_on_failure`` is False (see [Note: stopping rank threads])."""
+    import torch
+    import torch.distributed as dist
+
+    state = RankState()
+    saved_streams = (sys.stdout, sys.stderr)
+    recorders = {r: collective_log.FlightRecorder() for r in ranks}
+    local = threading.local()
+    obs = Observation(world_size=world_size, timeout=timeout)
+    router = install_router()
+    collective_log.install(lambda: getattr(local, "recorder", None))
+
+    def body(rank: int) -> None:
+        local.recorder = recorders[rank]
+        result: RankResult
+        try:
+            if enter is not None:
+                enter(rank)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, store=store)
+            ctx = RankContext(rank, world_size, dist.group.WORLD, torch.device("cpu"), backend)
+            result = run_task(task, ctx, router)
+        except Aborted:
+            result = RankResult(rank, Outcome.FAILED, summary=str(Aborted()), comm_error=True)
+        except BaseException:
+            result = RankResult.harness_failure(
+                rank,
+                f"rank {rank} could not join the {backend} process group of {world_size} "
+                "threads (see the traceback)",
+            )
+        obs.results[rank] = result
+        try:
+            dist.destroy_process_group()
+        except BaseException:
+            pass  # a group the test already destroyed, or a stop arriving here
+        finally:
+            if leave is not None:
+                leave(rank, result)
+
+    threads = RankThreads(ranks, body, obs, wake, wake_on_failure=wake_on_failure)
+    try:
+        threads.run(timeout, lambda: {r: rec.snapshot() for r, rec in recorders.items()})
+    finally:
+        collective_log.uninstall()
+        sys.stdout, sys.stderr = saved_streams
+        state.restore()
+    return obs
 
 
 class ThreadLauncher:
-    """Runs every rank of a task as a thread of this process."""
+    """Runs every rank of a task as a thread of this process over torch's threaded group."""
 
     crosses_processes = False
 
     def run(
         self, task: Task, *, world_size: int, backend: str, timeout: float, reuse: bool = True
     ) -> Observation:
-        import torch
         import torch.distributed as dist
+        from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
-        fake = backend == "fake"
-        ranks = [0] if fake else list(range(world_size))
-        state = RankState()
-        saved_streams = (sys.stdout, sys.stderr)
-        recorders = {r: collective_log.FlightRecorder() for r in ranks}
-        local = threading.local()
-        obs = Observation(world_size=world_size, timeout=timeout)
-        teardown: Callable[[], None]
-        if fake:
-            from torch.testing._internal.distributed.fake_pg import FakeStore
-
-            store: dist.Store = FakeStore()
-            teardown = lambda: None  # noqa: E731
-        else:
-            from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-
-            _set_thread_isolation(True)
-            mtpg._install_threaded_pg()
-            store = dist.HashStore()
-
-            def teardown() -> None:
-                mtpg.ProcessLocalGroup.reset()
-                mtpg._uninstall_threaded_pg()
-                _set_thread_isolation(False)
-
-        def wake_peers() -> None:
-            if not fake:
-                from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-
-                mtpg.ProcessLocalGroup.exception_handle(RuntimeError("peer failed"))
-
-        router = install_router()
-        collective_log.install(lambda: getattr(local, "recorder", None))
-
-        def body(rank: int) -> None:
-            local.recorder = recorders[rank]
-            try:
-                dist.init_process_group(backend, rank=rank, world_size=world_size, store=store)
-                ctx = RankContext(rank, world_size, dist.group.WORLD, torch.device("cpu"), backend)
-                result = run_task(task, ctx, router)
-            except BaseException:
-                result = RankResult.harness_failure(
-                    rank,
-                    f"rank {rank} could not join the {backend} process group of {world_size} "
-                    "threads (see the traceback)",
-                )
-            obs.results[rank] = result
-            if result.outcome is Outcome.FAILED:
-                wake_peers()
-            try:
-                dist.destroy_process_group()
-            except BaseException:
-                pass
-
-        threads = {
-            r: threading.Thread(target=body, args=(r,), name=f"fsdp-testing-rank{r}", daemon=True)
-            for r in ranks
-        }
+        _set_thread_isolation(True)
+        _fresh_threaded_group_state()
+        mtpg._install_threaded_pg()
         try:
-            for t in threads.values():
-                t.start()
-            self._join(threads, obs, timeout)
-            if obs.stragglers:
-                frames = sys._current_frames()
-                for rank in obs.stragglers:
-                    frame = frames.get(threads[rank].ident or -1)
-                    obs.stacks[rank] = "".join(traceback.format_stack(frame)) if frame else ""
-                obs.records = {r: rec.snapshot() for r, rec in recorders.items()}
-                wake_peers()
-                for rank in obs.stragglers:
-                    _raise_in(threads[rank])
-                deadline = time.monotonic() + STOP_WAIT_S
-                for rank in obs.stragglers:
-                    threads[rank].join(max(0.0, deadline - time.monotonic()))
-                    if threads[rank].is_alive():
-                        obs.unstoppable.add(rank)
-                    obs.results.pop(rank, None)
+            return run_rank_threads(
+                task,
+                ranks=list(range(world_size)),
+                world_size=world_size,
+                backend=backend,
+                timeout=timeout,
+                store=dist.HashStore(),
+                wake=_wake_threaded_group,
+            )
         finally:
-            collective_log.uninstall()
-            teardown()
-            sys.stdout, sys.stderr = saved_streams
-            state.restore()
-        return obs
-
-    @staticmethod
-    def _join(threads: dict[int, threading.Thread], obs: Observation, timeout: float) -> None:
-        deadline = Deadline(timeout)
-        while True:
-            alive = [r for r, t in threads.items() if t.is_alive()]
-            if not alive:
-                break
-            if any(res.outcome is Outcome.FAILED for res in list(obs.results.values())):
-                deadline.note_failure()
-            if deadline.expired():
-                obs.stragglers = set(alive)
-                obs.timed_out = deadline.timed_out(True)
-                return
-            threads[alive[0]].join(min(0.02, deadline.remaining()))
+            # Never blocks: see [Note: stopping rank threads].
+            _fresh_threaded_group_state()
+            mtpg._uninstall_threaded_pg()
+            _set_thread_isolation(False)
 
     def shutdown(self) -> None:
         """Nothing outlives a run in thread mode."""

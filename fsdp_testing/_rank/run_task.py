@@ -28,7 +28,14 @@ _COMM_ERROR_MARKERS = (
 )
 
 
-def _format_failure(exc: BaseException, tbstyle: str) -> str:
+def _format_failure(exc: BaseException, tbstyle: str, *, brief: bool = False) -> str:
+    """``exc``'s traceback as pytest shows it; ``brief``: the standard library's plain format,
+    for a rank whose collective broke because a peer failed (reports show such a rank's one-line
+    summary, and pytest's format costs about 10 ms a rank: a second for 128 thread ranks)."""
+    if brief:
+        import traceback
+
+        return "".join(traceback.format_exception(exc))
     try:
         from _pytest._code import ExceptionInfo
 
@@ -100,8 +107,8 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
         if message is None:
             result.outcome = Outcome.FAILED
             result.summary = f"SystemExit: the test body called sys.exit({exc.code!r})"
-            result.message = _format_failure(exc, task.tbstyle)
             result.comm_error = _is_comm_error(exc)
+            result.message = _format_failure(exc, task.tbstyle, brief=result.comm_error)
         else:
             result.outcome = Outcome.SKIPPED
             result.message = message
@@ -115,8 +122,8 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
         result.summary = f"{type(exc).__name__}: {first_line}"[:300]
         if notes:
             result.summary += " [" + "; ".join(notes) + "]"
-        result.message = _format_failure(exc, task.tbstyle)
         result.comm_error = _is_comm_error(exc)
+        result.message = _format_failure(exc, task.tbstyle, brief=result.comm_error)
         if isinstance(exc, KeyboardInterrupt):
             raise
     finally:

@@ -7,7 +7,9 @@ and fails on ``CPUOffload(offload_params=True)`` ("Cannot access accelerator dev
 accelerator this engine therefore passes ``device_id=torch.device("cpu")`` unless one is given,
 performs ``sync_module_states`` itself (a broadcast from the group's rank 0 before wrapping,
 skipping already wrapped subtrees, whose local tensors are shards), and rejects parameter
-offloading with a NotImplementedError. With an accelerator, arguments pass through unchanged.
+offloading with a NotImplementedError in torch's own words ("Cannot access accelerator device
+when none is available"), so a torch-style test class skips it as needing an accelerator, as it
+skips every body that needs one. With an accelerator, arguments pass through unchanged.
 """
 
 from __future__ import annotations
@@ -82,10 +84,13 @@ class TorchFSDP1Engine(WrapperEngine):
             kwargs["device_id"] = torch.device("cpu")
         offload = kwargs.get("cpu_offload")
         if offload is not None and getattr(offload, "offload_params", False):
+            # torch's own words for this case, which the torch-compatible classes turn into a
+            # skip naming the need (see _NO_ACCELERATOR_ERRORS in fsdp_testing/testcase.py).
             raise NotImplementedError(
-                "engine 'torch_fsdp1': torch's FSDP1 cannot offload parameters "
-                "(cpu_offload=CPUOffload(offload_params=True)) on a machine without an "
-                "accelerator; use engine 'torch_fsdp2' or 'fsdp_core', or drop cpu_offload"
+                "engine 'torch_fsdp1': torch's FSDP1 offloads parameters "
+                "(cpu_offload=CPUOffload(offload_params=True)) through an accelerator: "
+                "Cannot access accelerator device when none is available. Use engine "
+                "'torch_fsdp2' or 'fsdp_core', or drop cpu_offload"
             )
         if kwargs.pop("sync_module_states", False):
             broadcast_module_states(

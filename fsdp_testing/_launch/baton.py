@@ -1,0 +1,190 @@
+"""Local mode's scheduler: the rank threads of one world take turns, one at a time.
+
+[Note: local mode]
+Local mode runs every rank of a world in this process, each in its own thread (so each has its
+own ``rank`` fixture, its own Python control flow, autograd graph and hooks, as in thread
+mode), but only the thread holding the *baton* runs. A rank hands the baton on only where it
+must wait: in a collective that not every rank of the group has reached, or when its test ends.
+The baton then goes to the lowest rank that can run, so a run is deterministic and uses one
+core. Whenever the baton moves to another rank, the process-wide state a rank may change
+(torch's CPU RNG, ``random``, NumPy's global RNG, the default dtype, deterministic mode; see
+``fsdp_testing/_rank/process_state.py``) is saved for the rank leaving and restored for the rank
+arriving, so ``torch.manual_seed(0)`` on every rank gives each what its own process would have
+had, and ranks never race. The collectives themselves (``local_group.py``) complete when the
+last rank of the group arrives, with gloo's arithmetic (``local_reduce.py``).
+
+Waiting can end four ways: the collective completed (the rank takes the baton again when its
+turn comes); no rank can run any more while some wait (the ranks waiting raise
+:class:`LocalDeadlock`, a real run would hang there; its message names what every rank waits in
+and each traceback names the line); a peer failed and no rank can run (the ranks waiting are
+aborted, as their peers would be by a real backend); or the launcher stops the world (timeout):
+the waiting ranks raise at once. Nothing waits without the launcher's deadline above it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from fsdp_testing._launch.rank_threads import Aborted, acquire_briefly
+from fsdp_testing._rank import process_state
+
+__all__ = ["Baton", "LocalDeadlock"]
+
+_POLL_S = 0.25
+"""How often a waiting rank looks at an abort flag set without the lock (see ``abort``)."""
+
+
+class LocalDeadlock(RuntimeError):
+    """No rank of a local world can go on while some wait in collectives: a real run hangs."""
+
+
+class Baton:
+    """Which rank thread of a local world runs; see [Note: local mode].
+
+    Args:
+        world_size: number of ranks.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._cond = threading.Condition(threading.Lock())
+        self._holder: int | None = None
+        self._entered = 0  # the first turn is given once every rank thread has started
+        self._ready: set[int] = set()
+        self._waiting: dict[int, str] = {}  # rank -> what it waits in
+        self._finished: dict[int, bool] = {}  # rank -> whether its test failed
+        self._deadlock: str | None = None
+        self._aborted = False
+        initial = process_state.capture()
+        self._states = dict.fromkeys(range(world_size), initial)
+        self._loaded: int | None = None  # whose state the process holds
+
+    # --- called by rank threads -----------------------------------------------------------
+
+    def enter(self, rank: int) -> None:
+        """Wait for ``rank``'s first turn."""
+        with self._cond:
+            self._ready.add(rank)
+            self._entered += 1
+            self._dispatch()
+            self._wait_turn(rank)
+
+    def block(self, rank: int, what: str, done: Callable[[], bool]) -> None:
+        """The holder ``rank`` waits (in ``what``) until ``done()``; others run meanwhile.
+
+        Raises:
+            LocalDeadlock: no rank can run any more and ``done()`` is still false.
+            Aborted: a peer failed and nothing can run, or the launcher stopped the world.
+        """
+        while not done():
+            with self._cond:
+                if self._aborted:
+                    raise Aborted()
+                self._waiting[rank] = what
+                self._holder = None
+                self._dispatch()
+                self._wait_turn(rank)
+            if not done() and self.broken:
+                self._raise_stuck(rank)
+            # else: woken for a message that was not the one awaited (a receive): wait again
+
+    def wake(self, ranks: list[int]) -> None:
+        """The holder completed a collective: ``ranks`` that waited in it can run again."""
+        with self._cond:
+            for rank in ranks:
+                if self._waiting.pop(rank, None) is not None:
+                    self._ready.add(rank)
+
+    def leave(self, rank: int, failed: bool) -> None:
+        """``rank``'s thread ends (its test ``failed`` or not); the baton moves on."""
+        with self._cond:
+            self._finished[rank] = failed
+            self._ready.discard(rank)
+            self._waiting.pop(rank, None)
+            if self._holder == rank:
+                self._holder = None
+                self._dispatch()
+
+    @property
+    def broken(self) -> bool:
+        """A deadlock was found or the world was stopped: no collective can complete."""
+        return self._deadlock is not None or self._aborted
+
+    # --- called by the launcher's thread ----------------------------------------------------
+
+    def abort(self) -> None:
+        """Stop the world: every rank waiting raises :class:`Aborted` (never blocks)."""
+        self._aborted = True
+        if acquire_briefly(self._cond):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
+
+    # --- inside the lock ------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        if self._holder is not None or self._entered < self.world_size:
+            return
+        if self._ready:
+            self._holder = min(self._ready)
+            self._ready.discard(self._holder)
+        elif self._waiting:
+            # Nothing can run and someone waits: every waiting rank is stuck for good. After a
+            # failure its peers are aborted; otherwise it is a deadlock, which each waiting
+            # rank in turn reports.
+            if self._deadlock is None:
+                if any(self._finished.values()):
+                    self._aborted = True
+                else:
+                    self._deadlock = self._describe_deadlock()
+            self._holder = min(self._waiting)
+        self._cond.notify_all()
+
+    def _wait_turn(self, rank: int) -> None:
+        while self._holder != rank:
+            if self._aborted:
+                self._waiting.pop(rank, None)
+                raise Aborted()
+            self._cond.wait(_POLL_S)
+        self._swap_state(rank)
+
+    def _swap_state(self, rank: int) -> None:
+        if self._loaded == rank:
+            return
+        if self._loaded is not None:
+            self._states[self._loaded] = process_state.capture()
+        process_state.apply(self._states[rank])
+        self._loaded = rank
+
+    def _raise_stuck(self, rank: int) -> None:
+        with self._cond:
+            self._waiting.pop(rank, None)
+            if self._aborted or self._deadlock is None:
+                raise Aborted()
+            message = self._deadlock
+        raise LocalDeadlock(message)
+
+    def _describe_deadlock(self) -> str:
+        by_what: dict[str, list[int]] = {}
+        for rank, what in sorted(self._waiting.items()):
+            by_what.setdefault(what, []).append(rank)
+        parts = [
+            f"{_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} in {what}"
+            for what, ranks in by_what.items()
+        ]
+        finished = sorted(self._finished)
+        if finished:
+            parts.append(f"{_ranks(finished)} finished the test")
+        return (
+            "mode='local': no rank can go on, so a real run would hang here: "
+            + "; ".join(parts)
+            + ". Every rank of a group must issue the same collectives in the same order; "
+            "look for control flow that depends on the rank (each rank's traceback shows "
+            "the line it waits at)."
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

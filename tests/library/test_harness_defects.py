@@ -1,0 +1,76 @@
+"""Issue 23's two harness defects: ``compiled_fsdp_test`` leaves the test module's own
+``fully_shard`` in place (a warm rank used to keep torch's, so later tests silently ran torch's
+engine), and torch's FSDP1 refusing parameter offload on CPU reads as "needs an accelerator",
+which the torch-style classes turn into a skip naming the need (it used to fail them)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_testing._compat.fsdp import compiled_fsdp_test
+from fsdp_testing.testcase import _needs_accelerator
+
+
+def _module_with(**globals_: object) -> types.ModuleType:
+    module = types.ModuleType("fake_torch_test_module")
+    module.__dict__.update(globals_)
+    exec(
+        "def body(seen):\n    seen.append(globals().get('fully_shard'))\n",
+        module.__dict__,
+    )
+    return module
+
+
+def test_compiled_fsdp_test_shards_with_and_restores_the_modules_own_fully_shard() -> None:
+    def engine_fully_shard(module: nn.Module) -> nn.Module:
+        return module
+
+    module = _module_with(fully_shard=engine_fully_shard)
+    seen: list[object] = []
+    compiled_fsdp_test()(module.body)(seen)
+    eager, compiled = seen
+    assert eager is engine_fully_shard
+    assert compiled is not engine_fully_shard and callable(compiled)
+    assert module.fully_shard is engine_fully_shard  # not torch's: later tests keep the engine
+
+
+def test_compiled_fsdp_test_leaves_no_fully_shard_behind_where_there_was_none() -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    module = _module_with()
+    seen: list[object] = []
+    compiled_fsdp_test()(module.body)(seen)
+    assert seen[0] is torch_fully_shard
+    assert "fully_shard" not in module.__dict__
+
+
+def test_compiled_fsdp_test_restores_after_a_failing_run() -> None:
+    def engine_fully_shard(module: nn.Module) -> nn.Module:
+        return module
+
+    module = _module_with(fully_shard=engine_fully_shard)
+    exec("def broken():\n    raise ValueError('boom')\n", module.__dict__)
+    with pytest.raises(ValueError, match="boom"):
+        compiled_fsdp_test()(module.broken)()
+    assert module.fully_shard is engine_fully_shard
+
+
+@pytest.mark.distributed(world_size=1024, mode="fake", rank=517)
+def test_fsdp1_offload_refusal_is_read_as_needing_an_accelerator() -> None:
+    from torch.distributed.fsdp import CPUOffload
+
+    from fsdp_testing.engines import get_engine
+
+    with pytest.raises(NotImplementedError) as info:
+        get_engine("torch_fsdp1").wrap(
+            nn.Linear(4, 4), cpu_offload=CPUOffload(offload_params=True)
+        )
+    if torch.cuda.is_available():  # pragma: no cover - the refusal exists only without one
+        pytest.skip("an accelerator is present")
+    reason = _needs_accelerator(info.value)
+    assert reason is not None and "Cannot access accelerator device" in reason
+    assert "torch_fsdp2" in str(info.value)  # the fix is still named

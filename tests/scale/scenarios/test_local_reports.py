@@ -1,0 +1,41 @@
+"""Run by tests/scale/test_local_reports.py in a child session: local-mode worlds that deadlock,
+mismatch, fail or hang."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=3, mode="local")
+def test_deadlock(rank):
+    if rank != 1:  # rank 1 skips the collective: a real run hangs here
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed(world_size=3, mode="local")
+def test_mismatch(rank):
+    dist.all_reduce(torch.ones(2 if rank == 1 else 1))
+
+
+@pytest.mark.distributed(world_size=4, mode="local")
+def test_fail(rank):
+    if rank == 2:
+        raise ValueError("rank two broke")
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed(world_size=3, mode="local", timeout=2)
+def test_hang(rank):
+    if rank == 1:
+        while True:
+            time.sleep(0.02)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed(world_size=4, mode="local")
+def test_next_test_runs(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size

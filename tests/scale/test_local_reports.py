@@ -1,0 +1,66 @@
+"""What local mode reports when ranks disagree: a deadlock (no rank can go on) fails at once,
+naming what every rank waits in, each rank's traceback at its line; mismatched collectives
+fail on every rank naming what each issued; a failed rank's peers are aborted; a rank that
+never yields gives the usual hang report; the next test runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .._scenario import Run, run_scenario
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_scenario(
+        tmp_path_factory.mktemp("reports"), "test_local_reports.py", scenarios=SCENARIOS
+    )
+
+
+def test_deadlock_fails_at_once_naming_every_rank(run: Run) -> None:
+    case = run.cases["test_deadlock"]
+    assert case.outcome == "failed"
+    assert case.message.startswith(
+        "rank 0 failed: LocalDeadlock: mode='local': no rank can go on, so a real run would "
+        "hang here: ranks 0, 2 wait in all_reduce(float32[1], SUM), the 1st collective of the "
+        "default group; rank 1 finished the test."
+    )
+    assert "rank 2 failed: LocalDeadlock" in case.text  # the message is cut short
+    assert case.text.count("dist.all_reduce(torch.ones(1))") >= 2  # each rank's line
+    assert case.seconds < 10  # no timeout is waited for (the default is 120 s)
+
+
+def test_mismatch_names_what_each_rank_issued(run: Run) -> None:
+    case = run.cases["test_mismatch"]
+    assert case.outcome == "failed"
+    assert (
+        "the ranks issued different collectives as the 1st collective of the default group: "
+        "ranks 0, 2 issued all_reduce(float32[1], SUM); rank 1 issued all_reduce(float32[2], "
+        "SUM)"
+    ) in case.message
+    for rank in range(3):  # the message is cut short; the element text holds every rank
+        assert f"rank {rank} failed: RuntimeError: [rank {rank}] mode='local'" in case.text
+
+
+def test_a_failed_ranks_peers_are_aborted(run: Run) -> None:
+    case = run.cases["test_fail"]
+    assert case.outcome == "failed"
+    assert case.message.startswith("rank 2 failed: ValueError: rank two broke")
+    assert "ranks 0, 1, 3 aborted" in case.message
+
+
+def test_a_rank_that_never_yields_is_a_hang_report(run: Run) -> None:
+    case = run.cases["test_hang"]
+    assert case.outcome == "failed"
+    assert case.message.startswith("timed out after 2 s")
+    assert "rank 0 waits in all_reduce #1 but rank 1 never entered it" in case.text
+    assert "time.sleep(0.02)" in case.text  # where rank 1 was
+
+
+def test_the_next_test_runs(run: Run) -> None:
+    case = run.cases["test_next_test_runs"]
+    assert case.outcome == "passed", case.text
