@@ -48,7 +48,12 @@ class Baton:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        # One condition per rank over the same lock: a hand-over wakes the new holder only (a
+        # shared condition woke every rank thread at each hand-over, W^2 wake-ups per
+        # collective, which dominated the step at 64+ ranks).
+        self._turns = [threading.Condition(lock) for _ in range(world_size)]
         self._holder: int | None = None
         self._entered = 0  # the first turn is given once every rank thread has started
         self._ready: set[int] = set()
@@ -118,7 +123,8 @@ class Baton:
         self._aborted = True
         if acquire_briefly(self._cond):
             try:
-                self._cond.notify_all()
+                for turn in self._turns:
+                    turn.notify()
             finally:
                 self._cond.release()
 
@@ -140,14 +146,15 @@ class Baton:
                 else:
                     self._deadlock = self._describe_deadlock()
             self._holder = min(self._waiting)
-        self._cond.notify_all()
+        if self._holder is not None:
+            self._turns[self._holder].notify()
 
     def _wait_turn(self, rank: int) -> None:
         while self._holder != rank:
             if self._aborted:
                 self._waiting.pop(rank, None)
                 raise Aborted()
-            self._cond.wait(_POLL_S)
+            self._turns[rank].wait(_POLL_S)
         self._swap_state(rank)
 
     def _swap_state(self, rank: int) -> None:
