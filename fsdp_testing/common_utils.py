@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-from fsdp_testing._compat.assertions import TestCase
 from fsdp_testing._compat.env import (
     FILE_SCHEMA,
     IS_SANDCASTLE,
@@ -40,6 +39,7 @@ from fsdp_testing._compat.parametrize import (
     subtest,
     xfailIf,
 )
+from fsdp_testing._unittest.assertions import TestCase
 
 __all__ = [
     "ADDRESS_IN_USE",

@@ -182,7 +182,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _configure_cpu_world_size(config: pytest.Config) -> None:
-    from fsdp_testing._compat.world import set_cpu_world_size
+    from fsdp_testing._unittest.world import set_cpu_world_size
 
     raw = config.getoption("cpu_world_size") or config.getini("cpu_world_size")
     if raw in (None, ""):

@@ -26,17 +26,17 @@ import unittest
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from fsdp_testing._compat.assertions import TestCase
-from fsdp_testing._compat.world import (
+from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
+from fsdp_testing._protocol import FunctionRef, Task
+from fsdp_testing._rank.context import RankContext
+from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
+from fsdp_testing._unittest.assertions import TestCase
+from fsdp_testing._unittest.world import (
     WorldChoice,
     choose_world_size,
     in_test_world,
     scaled_timeout,
 )
-from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
-from fsdp_testing._protocol import FunctionRef, Task
-from fsdp_testing._rank.context import RankContext
-from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
 
 __all__ = [
     "TEST_SKIPS",

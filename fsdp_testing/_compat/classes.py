@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_testing._unittest.assertions import TestCase
 from fsdp_testing.testcase import MultiProcessTestCase
 
-from .assertions import TestCase
 from .env import accelerator_count
 
 __all__ = [

@@ -10,14 +10,14 @@ says 1 (so every test sized by it is skipped); here it is the CPU world size (de
 from __future__ import annotations
 
 import os
-import random
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .world import cpu_world_size
+from fsdp_testing._unittest.assertions import SEED, set_rng_seed
+from fsdp_testing._unittest.world import cpu_world_size
 
 __all__ = [
     "DEFAULT_WORLD_SIZE",
@@ -62,8 +62,6 @@ IS_SANDCASTLE: bool = _flag("SANDCASTLE") or os.environ.get("TW_JOB_USER") == "s
 """Meta's internal CI; False everywhere else (tests that check it then run normally)."""
 HAS_ACCELERATOR: bool = TEST_CUDA or TEST_HPU or TEST_XPU
 FILE_SCHEMA = "file://" if sys.platform != "win32" else "file:///"
-SEED = 1234
-"""torch's default test seed."""
 
 
 def accelerator_count() -> int:
@@ -91,19 +89,6 @@ DEVICE_COUNT: int = accelerator_count() if HAS_ACCELERATOR else cpu_world_size()
 DEFAULT_WORLD_SIZE = 4
 """``MultiProcessTestCase``'s default world size, as torch's."""
 
-
-def set_rng_seed(seed: int | None = None) -> None:
-    """Seed torch, ``random`` and numpy (when installed) with ``seed`` (default :data:`SEED`).
-
-    Args:
-        seed: the seed, default 1234.
-    """
-    value = SEED if seed is None else seed
-    torch.manual_seed(value)
-    random.seed(value)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(value)
 
 
 class LazyVal:

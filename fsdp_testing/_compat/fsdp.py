@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fsdp_testing import patching as _patching
 from fsdp_testing._protocol import ENGINE_ENV
+from fsdp_testing._unittest.world import cpu_world_size
 from fsdp_testing.engines import engine_for, use_engine
 from fsdp_testing.parity import FSDPParityMixin
 from fsdp_testing.parity import check_sharded_parity as _native_check_sharded_parity
@@ -35,7 +36,6 @@ from fsdp_testing.testcase import MultiProcessTestCase, MultiThreadedTestCase, r
 
 from .classes import MultiProcContinuousTest
 from .env import DEVICE_TYPE, DISTRIBUTED_BACKEND, accelerator_count, set_rng_seed
-from .world import cpu_world_size
 
 __all__ = [
     "DummyProcessGroup",

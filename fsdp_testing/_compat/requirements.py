@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_testing._rank.skips import TEST_SKIPS
+from fsdp_testing._unittest.world import running_world_size
 
 from .env import TEST_CUDA, TEST_HPU, TEST_WITH_ROCM, accelerator_count
 from .parametrize import skip_but_pass_in_sandcastle_if
-from .world import running_world_size
 
 __all__ = [
     "ACCELERATOR_DIST_BACKENDS",

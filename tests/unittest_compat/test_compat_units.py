@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_testing._compat import world
 from fsdp_testing._compat.fsdp import (
     DummyProcessGroup,
     _keyword_alias,
     mirror_engine,
     subtest_name,
 )
+from fsdp_testing._unittest import world
 from fsdp_testing.common_distributed import (
     get_required_world_size,
     requires_gloo,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections.abc
 import enum
 import math
+import random
 import sys
 import unittest
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-__all__ = ["TestCase", "compare"]
+__all__ = ["SEED", "TestCase", "compare", "set_rng_seed"]
 
 # Defaults of torch.testing.assert_close (documented there), by dtype: (rtol, atol).
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -218,6 +219,23 @@ def compare(x: object, y: object, opts: _Options, path: str = "") -> str | None:
     return None
 
 
+SEED = 1234
+"""torch's default test seed."""
+
+def set_rng_seed(seed: int | None = None) -> None:
+    """Seed torch, ``random`` and numpy (when installed) with ``seed`` (default :data:`SEED`).
+
+    Args:
+        seed: the seed, default 1234.
+    """
+    value = SEED if seed is None else seed
+    torch.manual_seed(value)
+    random.seed(value)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(value)
+
+
 class TestCase(unittest.TestCase):
     """``unittest.TestCase`` with torch's ``assertEqual``/``assertNotEqual`` (see [Note:
     torch's assertEqual]) and torch's seeding: ``setUp`` seeds torch, ``random`` and numpy with
@@ -230,8 +248,6 @@ class TestCase(unittest.TestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        from .env import set_rng_seed
-
         set_rng_seed()
 
     def assertEqual(
