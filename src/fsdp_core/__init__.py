@@ -20,7 +20,8 @@ The engine both doors share:
 
 - ``_init``: construction steps both doors share (owned parameters and buffers, nested units,
   ``sync_module_states``).
-- ``_wrapper_args``: the wrapper door's argument checks and its groups.
+- ``_wrapper``: what the wrapper door uses beside the engine: argument checks and groups
+  (``args``), ``summon_full_params`` (``full_params``), gradient norm clipping (``clip_grad``).
 - ``_groups``: a unit's process groups (shard, replicate, the hybrid grid).
 - ``_param``: one parameter moving between its local dim-0 shard and its unsharded form.
 - ``_unit``: ``FSDPUnit``, the parameters of one fully sharded module, with one all-gather per
@@ -36,12 +37,9 @@ The engine both doors share:
 - ``_order_check``: the order tag every unit collective carries in its payload, compared after
   it (a divergence in any iteration raises on every rank, with no extra collective).
 - ``_runtime``: ``FSDPState``, root lazy init and the forward/backward hooks.
-- ``_full_params``: ``summon_full_params``.
-- ``_state_dict``: full state dict save and load.
-- ``_sharded_state_dict``: sharded (``DTensor``) and local state dict save and load.
-- ``_state_dict_types``: ``state_dict_type`` settings and the save/load dispatch on them.
-- ``_optim_state``: optimizer state dicts keyed by parameter name (full, sharded, local).
-- ``_clip_grad``: gradient norm clipping over all shards.
+- ``_state_dict``: state dicts: full (``full``), sharded (``DTensor``) and local (``sharded``),
+  the ``state_dict_type`` settings and the save/load dispatch on them (``settings``), optimizer
+  state dicts keyed by parameter name (``optim``).
 """
 
 from . import debug, events, views, wrap

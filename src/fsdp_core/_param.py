@@ -36,7 +36,7 @@ group; ``Replicate()`` over the group of ``NO_SHARD``; ``(Replicate(), Shard(0))
 ``("replicate", "shard")`` mesh of the hybrid strategies). Its local tensor is the view into
 the flat shard, so the optimizer's state is ``DTensor``s laid out the same way, which is what
 DCP's state dict functions and ``dcp.save`` need to save, gather and reshard each rank's rows
-(see [Note: DCP's state dict functions and the wrapper] in ``_state_dict_types``). Gradients
+(see [Note: DCP's state dict functions and the wrapper] in ``_state_dict/settings.py``). Gradients
 are ``DTensor``s of the same layout, built from the parameter's spec (no ``from_local``);
 accumulation and everything else the unit does on shards goes through :func:`local_tensor`,
 never through DTensor dispatch. For code written against torch's FSDP1 this means

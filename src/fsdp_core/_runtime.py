@@ -157,7 +157,7 @@ class FSDPState:
         # replace the graph-order prefetch of that pass and apply from the first iteration.
         self.forward_prefetch_targets: list[FSDPState] | None = None
         self.backward_prefetch_targets: list[FSDPState] | None = None
-        self.state_dict_settings = default_state_dict_settings()  # see _state_dict_types
+        self.state_dict_settings = default_state_dict_settings()  # see _state_dict/settings.py
         self.in_state_dict = False  # an enclosing instance is building a full state dict
         self.streams: CudaStreams | None = None  # root only, on CUDA
         self.fqn = ""

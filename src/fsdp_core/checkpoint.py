@@ -6,9 +6,9 @@ reshard them to whatever layout the loading ranks have, and its state dict funct
 (``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` and their
 model and optimizer halves) work on both doors as they are: the sharded parameters, and so the
 optimizer state, are ``DTensor``s under the original names on both (see [Note: DCP's state dict
-functions and the wrapper] in ``_state_dict_types``). One difference stays: DCP switches torch's
-FSDP1 class to ``SHARDED_STATE_DICT`` for the call and cannot know fsdp_core's wrapper, whose
-``state_dict()`` then gives what its ``state_dict_type`` says, full tensors by default (right,
+functions and the wrapper] in ``_state_dict/settings.py``). One difference stays: DCP switches
+torch's FSDP1 class to ``SHARDED_STATE_DICT`` for the call and cannot know fsdp_core's wrapper,
+whose ``state_dict()`` then gives what its ``state_dict_type`` says, full tensors by default (right,
 but every rank gathers the whole model). This module is a thin layer over DCP's own functions:
 
 - :func:`get_state_dict` / :func:`set_state_dict`: DCP's, with every wrapper instance in
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._state_dict_types import state_dict_type
+from ._state_dict.settings import state_dict_type
 from .api import StateDictType
 
 __all__ = ["get_state_dict", "load", "save", "set_state_dict"]

@@ -12,11 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import _init, _optim_state, _state_dict_types
+from . import _init
 from . import wrap as _wrap
-from ._clip_grad import clip_grad_norm
-from ._full_params import apply_with_full_params
-from ._full_params import summon_full_params as _summon_full_params
 from ._param import DTensorLayout, ParamSpec
 from ._precision import UnitPrecision
 from ._runtime import (
@@ -27,13 +24,18 @@ from ._runtime import (
     state_of,
     states_in,
 )
+from ._state_dict import optim as _optim_state
+from ._state_dict import settings as _state_dict_types
 from ._unit import FSDPUnit
-from ._wrapper_args import (
+from ._wrapper.args import (
     HYBRID_STRATEGIES,
     resolve_wrapper_groups,
     validate_hybrid_agreement,
     validate_wrapper_args,
 )
+from ._wrapper.clip_grad import clip_grad_norm
+from ._wrapper.full_params import apply_with_full_params
+from ._wrapper.full_params import summon_full_params as _summon_full_params
 from .api import (
     BackwardPrefetch,
     CPUOffload,

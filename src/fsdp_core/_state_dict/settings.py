@@ -16,10 +16,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ._runtime import WRAPPED_MODULE_NAME, FSDPState, state_of, states_in
-from ._sharded_state_dict import load_sharded_state_dict, sharded_state_dict
-from ._state_dict import full_state_dict, load_full_state_dict
-from .api import (
+from .._runtime import WRAPPED_MODULE_NAME, FSDPState, state_of, states_in
+from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -32,6 +30,8 @@ from .api import (
     StateDictType,
     default_state_dict_settings,
 )
+from .full import full_state_dict, load_full_state_dict
+from .sharded import load_sharded_state_dict, sharded_state_dict
 
 __all__ = [
     "fqn_modifiers",

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._param import local_tensor
-from ._runtime import FSDPState
+from .._param import local_tensor
+from .._runtime import FSDPState
 
 __all__ = ["clip_grad_norm"]
 

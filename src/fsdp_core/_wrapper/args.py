@@ -8,13 +8,13 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ._groups import (
+from .._groups import (
     UnitGroups,
     default_hybrid_groups,
     hybrid_groups_from_mesh,
     hybrid_groups_from_pair,
 )
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = [
     "HYBRID_STRATEGIES",

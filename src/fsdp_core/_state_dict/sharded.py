@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ._param import ShardedParam, _contiguous_stride, local_tensor
-from ._runtime import FSDPState, clean_fqn, state_of, states_in
-from ._state_dict import (
+from .._param import ShardedParam, _contiguous_stride, local_tensor
+from .._runtime import FSDPState, clean_fqn, state_of, states_in
+from .._unit import FSDPUnit
+from .full import (
     _buffer_orig_dtypes,
     _plain_state_dicts,
     copy_metadata,
@@ -45,7 +46,6 @@ from ._state_dict import (
     saved_entry,
     validate_idle,
 )
-from ._unit import FSDPUnit
 
 __all__ = [
     "FLAT_PARAM",

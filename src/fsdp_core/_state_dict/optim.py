@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._param import ShardedParam, local_tensor
-from ._runtime import FSDPState, states_in
-from ._sharded_state_dict import same_layout, unit_dtensor
-from ._unit import FSDPUnit
-from .api import FullOptimStateDictConfig, StateDictType
+from .._param import ShardedParam, local_tensor
+from .._runtime import FSDPState, states_in
+from .._unit import FSDPUnit
+from ..api import FullOptimStateDictConfig, StateDictType
+from .sharded import same_layout, unit_dtensor
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load"]
 

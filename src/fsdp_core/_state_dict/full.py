@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ._full_params import summon_full_params
-from ._runtime import FSDPState, clean_fqn, state_of, states_in
-from .api import FullStateDictConfig, TrainingState
+from .._runtime import FSDPState, clean_fqn, state_of, states_in
+from .._wrapper.full_params import summon_full_params
+from ..api import FullStateDictConfig, TrainingState
 
 __all__ = [
     "copy_metadata",

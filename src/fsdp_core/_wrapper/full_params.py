@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives
-from ._runtime import FSDPState, state_of, states_in
-from ._unit import FSDPUnit
-from .api import TrainingState
+from .. import _collectives
+from .._runtime import FSDPState, state_of, states_in
+from .._unit import FSDPUnit
+from ..api import TrainingState
 
 __all__ = ["apply_with_full_params", "summon_full_params"]
 
