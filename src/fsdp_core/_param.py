@@ -25,6 +25,16 @@ the compute device; see [Note: CPU offload] in ``_unit``.
 Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
 (module, attribute) slot that referred to the original, which also covers tied parameters.
 
+[Note: unreduced gradients]
+Autograd accumulates each backward's gradient into ``unsharded.grad``, in the compute dtype.
+The unit takes it from there when it reduces (:meth:`ShardedParam.take_unreduced_grad`). A
+backward that does not reduce (``no_sync``, ``set_requires_gradient_sync(False)``) leaves it for
+the next one; with mixed precision the two doors differ, as torch's do: the wrapper (FSDP1) keeps
+accumulating in the compute dtype, ``fully_shard`` (FSDP2) moves the gradient into
+``unreduced_grad`` in ``reduce_dtype`` (:meth:`ShardedParam.keep_unreduced_grad`) and adds each
+later backward's gradient there, so a bf16 model with an fp32 ``reduce_dtype`` sums its
+micro-batches in fp32.
+
 ``sharded.requires_grad`` is the source of truth for whether the parameter trains: it is what
 users see (and freeze) between passes, and ``unsharded`` copies it on every switch to the
 unsharded form. See [Note: requires_grad changes after wrapping] in ``_unit``.
@@ -119,6 +129,8 @@ class ShardedParam:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
         self._aliased = alias
         self.state = ShardedState.SHARDED
+        # See [Note: unreduced gradients].
+        self.unreduced_grad: torch.Tensor | None = None  # full shape, in ``reduce_dtype``
         self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
         if alias:
             self._unsharded_padded = None
@@ -258,6 +270,27 @@ class ShardedParam:
         if pad_rows:
             grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
         return grad
+
+    def take_unreduced_grad(self) -> torch.Tensor | None:
+        """The gradient not reduced yet (full shape), and forget it. See [Note: unreduced
+        gradients]."""
+        grad, kept = self.unsharded.grad, self.unreduced_grad
+        self.unsharded.grad = self.unreduced_grad = None
+        if kept is None:
+            return grad
+        if grad is not None:
+            kept.add_(grad)
+        return kept
+
+    def keep_unreduced_grad(self, dtype: torch.dtype) -> None:
+        """After a backward that did not reduce: keep the gradient so far in ``dtype``."""
+        grad = self.unsharded.grad
+        if grad is None or (self.unreduced_grad is None and grad.dtype == dtype):
+            return  # nothing new, or autograd accumulates in ``dtype`` already
+        self.unreduced_grad = self.take_unreduced_grad().to(dtype)  # type: ignore[union-attr]
+
+    def has_unreduced_grad(self) -> bool:
+        return self.unsharded.grad is not None or self.unreduced_grad is not None
 
     @property
     def requires_grad(self) -> bool:

@@ -191,6 +191,9 @@ class FSDPUnit:
         # Set by the door for ``reshard_after_forward=N``; see [Note: reshard after forward to
         # a smaller world] in ``_post_forward``.
         self.post_forward: PostForwardShards | None = None
+        # Set by the composable door: gradients kept unreduced accumulate in ``reduce_dtype``
+        # (FSDP2), not in the compute dtype (FSDP1). See [Note: unreduced gradients].
+        self.upcast_unreduced_grads = False
         for p in self.params:
             p.expose_sharded()
 
@@ -282,19 +285,21 @@ class FSDPUnit:
         added to any
         gradient already on the sharded parameter, so several backwards accumulate. With
         ``reduce=False`` (inside ``no_sync``) the unsharded gradients are kept and keep
-        accumulating until a backward that reduces. With ``reshard=False`` the unsharded
-        parameters stay (``set_reshard_after_backward(False)``).
+        accumulating until a backward that reduces (in ``reduce_dtype`` when
+        ``upcast_unreduced_grads``; see [Note: unreduced gradients] in ``_param``). With
+        ``reshard=False`` the unsharded parameters stay (``set_reshard_after_backward(False)``).
         """
         if reshard:
             self.reshard("backward")
         if not reduce:
+            if self.upcast_unreduced_grads:
+                for p in self._grad_params:
+                    p.keep_unreduced_grad(self.precision.reduce_dtype)
             return
-        grads = [p.unsharded.grad for p in self._grad_params]
+        grads = [p.take_unreduced_grad() for p in self._grad_params]
         if all(g is None for g in grads):
             return
         reduce_input = self._reduce_input(grads)
-        for p in self._grad_params:
-            p.unsharded.grad = None
         streams = self.streams
         if streams is None:
             self._store_grads(self._reduce(reduce_input))
@@ -485,7 +490,7 @@ class FSDPUnit:
             return
         for p in self.params:
             if not p.requires_grad:
-                p.unsharded.grad = None  # frozen while holding a no_sync gradient
+                p.take_unreduced_grad()  # frozen while holding a no_sync gradient: dropped
         self._grad_params = trainable
         self._grad_offsets = []
         offset = 0
@@ -501,7 +506,7 @@ class FSDPUnit:
 
     def has_pending_grads(self) -> bool:
         """Whether some gradient of this backward has not been reduced yet."""
-        return any(p.unsharded.grad is not None for p in self._grad_params)
+        return any(p.has_unreduced_grad() for p in self._grad_params)
 
     def reset_backward(self) -> None:
         self._grads_ready.clear()

@@ -225,6 +225,7 @@ def unit_factory(
             layout=layout,
             pin_memory=offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
         )
+        unit.upcast_unreduced_grads = True  # FSDP2's no-sync accumulation dtype
         if then is not None:
             then(unit)
         mark_taken(specs, unit)
