@@ -45,6 +45,7 @@ import time
 import traceback
 import unittest
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 MIRRORED = ("common_fsdp", "common_distributed", "common_utils")
@@ -58,12 +59,30 @@ def port_source(source: str, *, engine: str | None = None) -> str:
     :func:`map_fsdp2_imports`)."""
     ported = _IMPORT.sub(lambda m: f"fsdp_testing.{m.group(1)}", source)
     ported = _FROM_PACKAGE.sub(lambda m: f"from fsdp_testing import {m.group(1)}", ported)
-    return map_fsdp2_imports(ported) if engine == "fsdp_core" else ported
+    ported = _rewrite_from_imports(ported, _names_the_mirror_lacks)
+    return _rewrite_from_imports(ported, _fsdp2_names) if engine == "fsdp_core" else ported
 
 
-# torch's FSDP2 public names, by the modules a test file may import them from; each becomes
-# fsdp_core's. torch's DDP-based ``torch.distributed._composable.replicate`` is the reference
-# the FSDP2 tests compare against, so it stays torch's; the FSDP2-style one is mapped.
+def _names_the_mirror_lacks(module: str, names: list[str]) -> tuple[str, list[str]] | None:
+    """Names imported from a mirror module that it does not define (torch's utilities that are
+    not harness machinery, e.g. ``device_sleep``): they stay torch's."""
+    mirrored = module.removeprefix("fsdp_testing.")
+    if mirrored == module or mirrored not in MIRRORED:
+        return None
+    mirror = importlib.import_module(module)
+    return f"torch.testing._internal.{mirrored}", [n for n in names if not hasattr(mirror, n)]
+
+
+def _fsdp2_names(module: str, names: list[str]) -> tuple[str, list[str]] | None:
+    """torch's FSDP2 public names, taken from fsdp_core (``--engine fsdp_core``)."""
+    mapped = _FSDP2_MODULES.get(module)
+    return None if mapped is None else ("fsdp_core", [n for n in names if n in mapped])
+
+
+# torch's FSDP2 public names, by the modules a test file may import them from; with
+# ``--engine fsdp_core`` each becomes fsdp_core's. torch's DDP-based
+# ``torch.distributed._composable.replicate`` is the reference the FSDP2 tests compare
+# against, so it stays torch's; the FSDP2-style one (``replicate_with_fsdp``) is mapped.
 _FSDP2_NAMES = frozenset(
     {
         "CPUOffloadPolicy",
@@ -88,10 +107,12 @@ _FSDP2_MODULES = {
 }
 
 
-def map_fsdp2_imports(source: str) -> str:
-    """``source`` with every ``from <torch FSDP2 module> import <name>`` of a public FSDP2 name
-    taken from ``fsdp_core`` instead (aliases kept); other names of the same statement (FSDP1's,
-    torch-private ones) stay torch's. Statements are rewritten in place, at their indentation."""
+def _rewrite_from_imports(
+    source: str, choose: Callable[[str, list[str]], tuple[str, list[str]] | None]
+) -> str:
+    """``source`` with the names ``choose(module, names)`` picks out of each ``from module
+    import names`` statement imported from the module it names instead (aliases kept); the other
+    names stay where they were. Statements are rewritten in place, at their indentation."""
     import ast
 
     lines = source.splitlines(keepends=True)
@@ -99,13 +120,10 @@ def map_fsdp2_imports(source: str) -> str:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom) or node.level or node.module is None:
             continue
-        mapped = _FSDP2_MODULES.get(node.module)
-        if mapped is None or node.end_lineno is None:
+        chosen = choose(node.module, [a.name for a in node.names])
+        if chosen is None or not chosen[1] or node.end_lineno is None:
             continue
-        ours = [a for a in node.names if a.name in mapped]
-        if not ours:
-            continue
-        theirs = [a for a in node.names if a.name not in mapped]
+        target, picked = chosen
         first, last = node.lineno - 1, node.end_lineno - 1
         if lines[first][: node.col_offset].strip() or lines[last][node.end_col_offset :].strip():
             continue  # shares its line with another statement: leave it alone
@@ -115,9 +133,10 @@ def map_fsdp2_imports(source: str) -> str:
             names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in aliases)
             return f"{indent}from {module} import {names}\n"
 
-        text = statement("fsdp_core", ours)
-        if theirs:
-            text += statement(node.module, theirs)
+        text = statement(target, [a for a in node.names if a.name in picked])
+        rest = [a for a in node.names if a.name not in picked]
+        if rest:
+            text += statement(node.module, rest)
         edits.append((first, last, text))
     for first, last, text in sorted(edits, reverse=True):
         lines[first : last + 1] = [text]

@@ -225,7 +225,7 @@ def validate_no_scalars(api: str, specs: list[ParamSpec]) -> None:
     if scalars:
         raise ValueError(
             f"{api} doesn't support scalar parameters {scalars}: they cannot be sharded in dim "
-            "0. Change each to a 1D tensor with numel equal to 1."
+            f"0. Change {', '.join(scalars)} to a 1D tensor with numel equal to 1."
         )
 
 

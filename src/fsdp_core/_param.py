@@ -25,6 +25,19 @@ the compute device; see [Note: CPU offload] in ``_unit``.
 Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
 (module, attribute) slot that referred to the original, which also covers tied parameters.
 
+[Note: sharding on another dim]
+``fully_shard(shard_placement_fn=...)`` may shard a parameter on a dim ``d > 0`` (a
+``ParamSpec``'s ``shard_dim``); then it must split evenly (``shape[d]`` divisible by the world
+size, as in FSDP2), so nothing is padded. The counts of the note above (``rows``,
+``chunk_rows``, ``start_row``, ``valid_rows``) are taken along dim ``d``: the local shard is
+``full.narrow(d, start_row, valid_rows)``, stored contiguously in its own shape
+(``chunk_shape``) in the flat buffer, so the all-gather still sends one flat block per rank.
+Block ``r`` of the gathered output is rank ``r``'s chunk; viewing the unsharded tensor as
+``(*shape[:d], world, chunk_rows, *shape[d + 1:])`` and moving the ``world`` dim to the front
+gives a ``(world, *chunk_shape)`` view of it (``_blocks``), so the copy-out and the
+reduce-scatter input are one strided copy each. For ``d == 0`` that view is the plain
+reshape the dim-0 layout always used. The sharded ``DTensor``'s placement is ``Shard(d)``.
+
 [Note: unreduced gradients]
 Autograd accumulates each backward's gradient into ``unsharded.grad``, in the compute dtype.
 The unit takes it from there when it reduces (:meth:`ShardedParam.take_unreduced_grad`). A
@@ -56,6 +69,7 @@ __all__ = [
     "ParamSpec",
     "ShardedParam",
     "ShardedState",
+    "chunk_shape",
     "is_sharded_param",
     "local_tensor",
 ]
@@ -89,6 +103,12 @@ class ParamSpec:
     fqn: str
     param: nn.Parameter
     slots: tuple[tuple[nn.Module, str], ...]
+    shard_dim: int = 0  # see [Note: sharding on another dim]
+
+
+def chunk_shape(shape: torch.Size, dim: int, world: int) -> tuple[int, ...]:
+    """The shape of one rank's padded chunk of a ``shape`` tensor sharded on ``dim``."""
+    return (*shape[:dim], math.ceil(shape[dim] / world), *shape[dim + 1 :])
 
 
 class ShardedParam:
@@ -111,43 +131,61 @@ class ShardedParam:
         self.fqn = spec.fqn
         self.slots = spec.slots
         self.full_shape = orig.shape
-        self.rows = orig.shape[0]
-        self.rest = tuple(orig.shape[1:])
+        dim = self.shard_dim = spec.shard_dim
+        self._placements = _placements(layout, dim)
+        # Counted along the shard dim: see [Note: sharding on another dim].
+        self.rows = orig.shape[dim]
+        self.rest = tuple(orig.shape[1:])  # the other dims, when sharded on dim 0
         self.chunk_rows = math.ceil(self.rows / shard_world)
-        self.shard_numel = self.chunk_rows * math.prod(self.rest)
+        self.chunk_shape = chunk_shape(orig.shape, dim, shard_world)
+        self.shard_numel = math.prod(self.chunk_shape)
         self.shard_world = shard_world
         start = shard_rank * self.chunk_rows
         self.start_row = start
         self.valid_rows = max(0, min(self.chunk_rows, self.rows - start))
 
-        self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)  # zero padded
+        self.padded_shard = flat_segment.view(self.chunk_shape)  # zero padded
         with torch.no_grad():
             self.padded_shard.zero_()
-            self.padded_shard[: self.valid_rows].copy_(orig[start : start + self.valid_rows])
-        self.sharded = self._as_parameter(self.padded_shard[: self.valid_rows], orig.requires_grad)
+            self._valid(self.padded_shard).copy_(self._my_rows(orig))
+        self.sharded = self._as_parameter(self._valid(self.padded_shard), orig.requires_grad)
         if alias and shard_world != 1:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
         self._aliased = alias
         self.state = ShardedState.SHARDED
         # See [Note: unreduced gradients].
         self.unreduced_grad: torch.Tensor | None = None  # full shape, in ``reduce_dtype``
-        self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
+        # The full shape with ``chunk_rows * world`` rows along the shard dim.
+        self._unsharded_padded: torch.Tensor | None
         if alias:
             self._unsharded_padded = None
             self.unsharded = nn.Parameter(
-                self.padded_shard[: self.valid_rows], requires_grad=orig.requires_grad
+                self._valid(self.padded_shard), requires_grad=orig.requires_grad
             )
         else:
-            self._unsharded_padded = torch.empty(
-                (self.chunk_rows * shard_world, *self.rest),
-                dtype=compute_dtype,
-                device=compute_device,
-            )
+            padded = list(orig.shape)
+            padded[dim] = self.chunk_rows * shard_world
+            self._unsharded_padded = torch.empty(padded, dtype=compute_dtype, device=compute_device)
             self.unsharded = nn.Parameter(
-                self._unsharded_padded[: self.rows], requires_grad=orig.requires_grad
+                self._unsharded_padded.narrow(dim, 0, self.rows), requires_grad=orig.requires_grad
             )
             self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
             self.free_unsharded()
+
+    def _valid(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a padded chunk (``chunk_shape``)."""
+        return padded.narrow(self.shard_dim, 0, self.valid_rows)
+
+    def _my_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor (``full_shape``)."""
+        return full.narrow(self.shard_dim, min(self.start_row, self.rows), self.valid_rows)
+
+    def _blocks(self, padded_full: torch.Tensor) -> torch.Tensor:
+        """``(world, *chunk_shape)`` view of a full tensor padded along the shard dim (see
+        [Note: sharding on another dim])."""
+        d, shape = self.shard_dim, padded_full.shape
+        split = padded_full.view(*shape[:d], self.shard_world, self.chunk_rows, *shape[d + 1 :])
+        return split.movedim(d, 0)
 
     def _as_parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """``local`` (this rank's rows) as the parameter the module shows between passes."""
@@ -176,7 +214,7 @@ class ShardedParam:
             return DTensor.from_local(
                 local,
                 self.layout.mesh,
-                self.layout.placements,
+                self._placements,
                 run_check=False,
                 shape=self.full_shape,
                 stride=_contiguous_stride(self.full_shape),
@@ -184,32 +222,68 @@ class ShardedParam:
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``full`` (``full_shape``) in the sharded parameter's form."""
-        rows = full.detach()[self.start_row : self.start_row + self.valid_rows]
-        return self._as_sharded_tensor(rows.to(self.padded_shard.device))
+        rows = self._my_rows(full.detach()).to(self.padded_shard.device)
+        return self._as_sharded_tensor(rows.contiguous())
 
-    def rebind(self, flat_segment: torch.Tensor, local: torch.Tensor) -> None:
-        """Move the shard into ``flat_segment`` with the values of ``local`` (this rank's
-        rows, e.g. after ``module.to_empty``) and show the new sharded parameter."""
-        self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)
+    def rebind(self, flat_segment: torch.Tensor, current: torch.Tensor) -> None:
+        """Move the shard into ``flat_segment`` with the values of ``current``, what the module
+        shows now (see [Note: replaced parameters] in ``_replaced``), and show it again."""
+        local = local_tensor(current)
+        rows = self._valid(self.padded_shard)
+        if local.shape != rows.shape and current.shape == self.full_shape:
+            local = self._my_rows(local)  # a full tensor
+        if local.shape != rows.shape:
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} was replaced by a tensor of shape "
+                f"{tuple(current.shape)} (local {tuple(local.shape)}); give it the full shape "
+                f"{tuple(self.full_shape)}, as a DTensor of the parameter's layout or a full "
+                "tensor."
+            )
+        self.padded_shard = flat_segment.view(self.chunk_shape)
         with torch.no_grad():
             self.padded_shard.zero_()
-            self.padded_shard[: self.valid_rows].copy_(local)
-        self.sharded = self._as_parameter(
-            self.padded_shard[: self.valid_rows], self.sharded.requires_grad
-        )
+            self._valid(self.padded_shard).copy_(local)
+        if self._adoptable(current):
+            # Keep the object the user holds (an optimizer may be built on it), as FSDP2 does.
+            current._local_tensor = self._valid(self.padded_shard)  # type: ignore[attr-defined]
+            current._fsdp_sharded = True  # type: ignore[attr-defined]
+            self.sharded = current  # type: ignore[assignment]
+        else:
+            self.sharded = self._as_parameter(self._valid(self.padded_shard), current.requires_grad)
         if self._aliased:
-            self.unsharded = nn.Parameter(
-                self.padded_shard[: self.valid_rows], requires_grad=self.sharded.requires_grad
-            )
+            # The same Parameter object: autograd hooks are registered on it.
+            self.unsharded.data = self._valid(self.padded_shard)
         self.expose_sharded()
 
-    def current_local(self) -> torch.Tensor:
-        """The local rows of the parameter the module's first slot holds now."""
-        module, name = self.slots[0]
-        current = module._parameters[name]
-        if current is None:
-            raise AssertionError(f"{self.fqn}: the module's slot {name!r} is empty")
-        return local_tensor(current)
+    def _adoptable(self, current: torch.Tensor) -> bool:
+        """Whether ``current`` is a ``DTensor`` parameter with this parameter's layout."""
+        if self.layout is None or not isinstance(current, nn.Parameter):
+            return False
+        spec = getattr(current, "_spec", None)
+        return (
+            spec is not None
+            and tuple(spec.placements) == tuple(self._placements)
+            and spec.mesh == self.layout.mesh
+        )
+
+    def current(self) -> torch.Tensor:
+        """What the module shows for this parameter now: a slot's tensor other than the
+        sharded parameter, if one was assigned, else the sharded parameter."""
+        for module, name in self.slots:
+            value = module._parameters.get(name)
+            if value is not None and value is not self.sharded:
+                return value
+        return self.sharded
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Compute in ``dtype`` from now on (the unit's dtype changed); unsharded storage freed."""
+        if self._unsharded_padded is None or self._unsharded_padded.dtype == dtype:
+            return
+        self._unsharded_padded = torch.empty_like(self._unsharded_padded, dtype=dtype)
+        # ``.data``: the same Parameter object, which autograd hooks are registered on.
+        self.unsharded.data = self._unsharded_padded.narrow(self.shard_dim, 0, self.rows)
+        self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
+        self.free_unsharded()
 
     def alloc_unsharded(self) -> None:
         if not self._aliased:
@@ -226,30 +300,39 @@ class ShardedParam:
         if self._unsharded_padded is None:
             raise AssertionError(f"{self.fqn}: a parameter aliasing its shard is never gathered")
         # ``.data``: see [Note: sharded and unsharded parameters].
-        self._unsharded_padded.data.view(self.shard_world, self.shard_numel).copy_(gathered)
+        blocks = self._blocks(self._unsharded_padded.data)
+        blocks.copy_(gathered.view(self.shard_world, *self.chunk_shape))
 
     def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` (full shape) as a ``(world, shard_numel)`` block, zero padded in dim 0."""
-        pad_rows = self.chunk_rows * self.shard_world - self.rows
-        if pad_rows:
-            grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
-        return grad.reshape(self.shard_world, self.shard_numel)
+        """``grad`` (full shape) as a ``(world, shard_numel)`` block, zero padded along the
+        shard dim."""
+        grad = self._pad(grad, self.chunk_rows * self.shard_world - self.rows)
+        return self._blocks(grad.contiguous()).reshape(self.shard_world, self.shard_numel)
+
+    def _pad(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        """``tensor`` with ``rows`` zero rows appended along the shard dim."""
+        if not rows:
+            return tensor
+        shape = list(tensor.shape)
+        shape[self.shard_dim] = rows
+        return torch.cat([tensor, tensor.new_zeros(shape)], dim=self.shard_dim)
 
     def full_from_gathered(self, gathered: torch.Tensor) -> torch.Tensor:
         """A new full tensor (``full_shape``) from this parameter's ``(world, shard)`` block."""
-        padded = gathered.reshape(self.chunk_rows * self.shard_world, *self.rest)
-        return padded[: self.rows].clone()
+        padded = list(self.full_shape)
+        padded[self.shard_dim] = self.chunk_rows * self.shard_world
+        full = gathered.new_empty(padded)
+        self._blocks(full).copy_(gathered.reshape(self.shard_world, *self.chunk_shape))
+        return full.narrow(self.shard_dim, 0, self.rows).clone()
 
     def write_local_rows(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of ``full`` (``full_shape``) into the shard."""
         with torch.no_grad():
-            self.padded_shard[: self.valid_rows].copy_(
-                full[self.start_row : self.start_row + self.valid_rows]
-            )
+            self._valid(self.padded_shard).copy_(self._my_rows(full))
 
     def accumulate_sharded_grad(self, shard_flat: torch.Tensor) -> None:
         """Add this rank's reduced gradient (1D, ``shard_numel``, padded) to ``sharded.grad``."""
-        grad = shard_flat.view(self.chunk_rows, *self.rest)[: self.valid_rows]
+        grad = self._valid(shard_flat.view(self.chunk_shape))
         current = self.sharded.grad
         if current is not None:
             local_tensor(current).add_(grad)
@@ -262,14 +345,10 @@ class ShardedParam:
             self.sharded.grad.data = self._as_sharded_tensor(grad)
 
     def sharded_grad_rows(self) -> torch.Tensor | None:
-        """``sharded.grad`` zero padded to ``(chunk_rows, *rest)`` rows, or ``None``."""
+        """``sharded.grad`` zero padded to ``chunk_shape``, or ``None``."""
         if self.sharded.grad is None:
             return None
-        grad = local_tensor(self.sharded.grad)
-        pad_rows = self.chunk_rows - self.valid_rows
-        if pad_rows:
-            grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
-        return grad
+        return self._pad(local_tensor(self.sharded.grad), self.chunk_rows - self.valid_rows)
 
     def take_unreduced_grad(self) -> torch.Tensor | None:
         """The gradient not reduced yet (full shape), and forget it. See [Note: unreduced
@@ -352,6 +431,17 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         local: torch.Tensor = to_local()
     return local
+
+
+def _placements(layout: DTensorLayout | None, dim: int) -> tuple[Any, ...]:
+    """The sharded ``DTensor``'s placements: the layout's, sharding on ``dim``."""
+    if layout is None:
+        return ()
+    if dim == 0:
+        return layout.placements
+    from torch.distributed.tensor import Shard
+
+    return (*layout.placements[:-1], Shard(dim))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from . import events
 from ._exec_order import ExecOrder
 from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
+from ._replaced import adopt_at_lazy_init
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
 from .api import BackwardPrefetch, TrainingState, default_state_dict_settings
@@ -218,6 +219,8 @@ class FSDPState:
             if state.unit is not None and state.tag_collectives:
                 # See [Note: order check].
                 state.unit.order_tags = order.checker.for_unit(index)
+        # See [Note: replaced parameters] in _replaced.
+        adopt_at_lazy_init([(s.fqn, s.unit) for s in states if s.unit is not None])
         self._validate_offloaded_devices()
         for state in states:
             buffer_dtype = state.config.buffer_dtype

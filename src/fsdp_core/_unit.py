@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives, _offload, _order_check, events
+from . import _collectives, _offload, _order_check, _replaced, events
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
-from ._param import DTensorLayout, ParamSpec, ShardedParam
+from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
 from ._reduce import input_tag_slots, reduce_gradients
@@ -130,6 +130,7 @@ class FSDPUnit:
                 f" but the parameters are {self.dtype}"
             )
         self.offload_params = offload_params
+        self.layout = layout  # the composable door's: its parameters may be replaced
         shard_device = torch.device("cpu") if offload_params else self.device
         if first.is_meta:
             shard_device = first.device  # meta-device init: see ``reset_sharded_params``
@@ -146,7 +147,7 @@ class FSDPUnit:
         alias = not self._sharded and not offload_params and not self.precision.casts_params
 
         numels = [
-            -(-s.param.shape[0] // self._shard_world) * math.prod(s.param.shape[1:]) for s in specs
+            math.prod(chunk_shape(s.param.shape, s.shard_dim, self._shard_world)) for s in specs
         ]
         # The flat shard and two spare elements for the all-gather's order tag, so that an
         # all-gather in the shard's dtype and device sends this buffer without a copy.
@@ -425,31 +426,27 @@ class FSDPUnit:
                 module._parameters[name] = tensor  # type: ignore[assignment]
 
     def reset_sharded_params(self) -> None:
-        """After ``module.to_empty(...)``/``.to(device)`` replaced the sharded parameters: the
-        flat shard moves to their device with their values; the module sees views into it."""
-        current = [p.current_local() for p in self.params]
-        old = self._flat_send.untyped_storage()
-        if all(c.untyped_storage().data_ptr() == old.data_ptr() for c in current):
-            return
-        dtypes = sorted({str(c.dtype) for c in current} - {str(self.dtype)})
-        if dtypes:
-            raise NotImplementedError(
-                f"fully_shard: unit {self.name!r} changed dtype to {dtypes} after sharding; "
-                "cast the module with .to(dtype) before fully_shard."
-            )
-        device = current[0].device
+        """Adopt sharded parameters that replaced the unit's own on the module (``to_empty``,
+        ``.to(...)``, ``load_state_dict(assign=True)``, assignment); see [Note: replaced
+        parameters] in ``_replaced``."""
+        _replaced.adopt(self)
+
+    def new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Make a new zeroed flat shard buffer (with its tag elements) the unit's; return the
+        flat shard (1D, padded) to rebind the parameters into."""
         numel = self._flat_shard.numel()
         self._flat_send = torch.zeros(
             numel + _order_check.GATHER_TAG_NUMEL,
-            dtype=self.dtype,
+            dtype=dtype,
             device=device,
             pin_memory=self._pin and device.type == "cpu",
         )
         self._flat_shard = self._flat_send[:numel]
-        offset = 0
-        for p, local in zip(self.params, current, strict=True):
-            p.rebind(self._flat_shard[offset : offset + p.shard_numel], local)
-            offset += p.shard_numel
+        return self._flat_shard
+
+    @property
+    def flat_shard(self) -> torch.Tensor:  # 1D, padded; every sharded parameter is a view
+        return self._flat_shard
 
     @property
     def shard_world(self) -> int:  # ranks the parameters are sharded over (1: unsharded)

@@ -86,7 +86,7 @@ def test_bad_input_raises_naming_the_value_and_the_fix(rank, process_group):
 
     with pytest.raises(
         ValueError,
-        match=r"fully_shard doesn't support scalar parameters \['scale'\].*Change each to a 1D "
+        match=r"fully_shard doesn't support scalar parameters \['scale'\].*Change scale to a 1D "
         r"tensor with numel equal to 1",
     ):
         fully_shard(_Scaled(), mesh=mesh)

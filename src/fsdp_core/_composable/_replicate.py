@@ -115,5 +115,6 @@ def _validate_no_scalars(specs: list[Any]) -> None:
     if scalars:
         raise ValueError(
             f"replicate doesn't support scalar parameters {scalars}: a unit keeps each "
-            "parameter as rows of dim 0. Change each to a 1D tensor with numel equal to 1."
+            f"parameter as rows of dim 0. Change {', '.join(scalars)} to a 1D tensor with numel "
+            "equal to 1."
         )
