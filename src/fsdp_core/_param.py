@@ -20,19 +20,35 @@ unsharded storage is a separate, freeable buffer in the compute dtype on the com
 filled from the (cast, copied) shard on unshard like a gather from a group of one.
 
 With CPU offload ``sharded`` (and its gradient) lives on the CPU while ``unsharded`` lives on
-the compute device; see [Note: CPU offload] in ``_unit``.
+the compute device; see [Note: CPU offload] in ``_offload``.
 
 Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
 (module, attribute) slot that referred to the original, which also covers tied parameters.
 
+``sharded.requires_grad`` is the source of truth for whether the parameter trains: it is what
+users see (and freeze) between passes, and ``unsharded`` copies it on every switch to the
+unsharded form.
+
+[Note: requires_grad changes after wrapping]
+Users freeze or unfreeze parameters after wrapping through the sharded parameters, which the
+module exposes between passes (``named_parameters()``, ``requires_grad_``), so the unit treats
+``sharded.requires_grad`` as the truth and never fixes it at construction. Every unshard gives
+each unsharded parameter that flag (autograd then computes gradients for exactly the trainable
+parameters), and at each forward the runtime calls :meth:`FSDPUnit.update_grad_params`, which
+recomputes the parameters whose gradients ``post_backward`` waits for and the layout of the
+reduce buffer. The buffer holds only trainable parameters, so the unit still reduces with one
+collective, frozen parameters add no bytes to it and get no gradient. The buffer's size
+depends on which parameters train: every rank must freeze the same ones (as with DDP). A
+parameter frozen while it holds a gradient kept unreduced by ``no_sync`` loses that gradient.
+
 [Note: sharding on another dim]
 ``fully_shard(shard_placement_fn=...)`` may shard a parameter on a dim ``d > 0`` (a
 ``ParamSpec``'s ``shard_dim``); then it must split evenly (``shape[d]`` divisible by the world
-size, as in FSDP2), so nothing is padded. The counts of the note above (``rows``,
-``chunk_rows``, ``start_row``, ``valid_rows``) are taken along dim ``d``: the local shard is
-``full.narrow(d, start_row, valid_rows)``, stored contiguously in its own shape
-(``chunk_shape``) in the flat buffer, so the all-gather still sends one flat block per rank.
-Block ``r`` of the gathered output is rank ``r``'s chunk; viewing the unsharded tensor as
+size, as in FSDP2), so nothing is padded. The counts of [Note: sharded and unsharded
+parameters] (``rows``, ``chunk_rows``, ``start_row``, ``valid_rows``) are taken along dim
+``d``: the local shard is ``full.narrow(d, start_row, valid_rows)``, stored contiguously in its
+own shape (``chunk_shape``) in the flat buffer, so the all-gather still sends one flat block
+per rank. Block ``r`` of the gathered output is rank ``r``'s chunk; viewing the unsharded tensor as
 ``(*shape[:d], world, chunk_rows, *shape[d + 1:])`` and moving the ``world`` dim to the front
 gives a ``(world, *chunk_shape)`` view of it (``_blocks``), so the copy-out and the
 reduce-scatter input are one strided copy each. For ``d == 0`` that view is the plain
@@ -47,10 +63,6 @@ accumulating in the compute dtype, ``fully_shard`` (FSDP2) moves the gradient in
 ``unreduced_grad`` in ``reduce_dtype`` (:meth:`ShardedParam.keep_unreduced_grad`) and adds each
 later backward's gradient there, so a bf16 model with an fp32 ``reduce_dtype`` sums its
 micro-batches in fp32.
-
-``sharded.requires_grad`` is the source of truth for whether the parameter trains: it is what
-users see (and freeze) between passes, and ``unsharded`` copies it on every switch to the
-unsharded form. See [Note: requires_grad changes after wrapping] in ``_unit``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The unit: the parameters one fully sharded module owns, with one unshard/reshard pair.
 
 A unit knows nothing about hooks, roots or execution order (``_runtime`` drives it), so both
-front doors (the ``FullyShardedDataParallel`` wrapper and a future ``fully_shard``) can share it.
+front doors (the ``FullyShardedDataParallel`` wrapper and ``fully_shard``) share it.
 Test helpers patch :meth:`FSDPUnit.unshard`, :meth:`FSDPUnit.reshard` and
 :meth:`FSDPUnit.post_backward` by name on the class; the runtime always calls them through the
 instance so such patches see every call.
 
 Communication per unit: ``unshard`` issues one all-gather of the flat shard buffer (the
-concatenation of every parameter's padded dim-0 shard) inside the shard group,
+concatenation of every parameter's padded shard) inside the shard group,
 ``post_backward`` one reduce-scatter of all of the unit's gradients inside the shard group and
 one all-reduce of the reduced shard across the replicate group, each skipped over a group of
 one (see [Note: unit groups] in ``_groups``).
@@ -19,26 +19,6 @@ out into each unsharded parameter. A reduction goes: unsharded gradients -> redu
 -> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``. Every collective
 carries an order tag after the data once the root has given the unit its ``order_tags``; see
 [Note: order check] in ``_order_check``.
-
-[Note: CPU offload]
-With ``CPUOffload(offload_params=True)`` the flat shard buffer (so every sharded parameter and
-the optimizer state built on it) and the sharded gradients live on the CPU, pinned when CUDA is
-available. The unit computes on ``compute_device`` (the parameters' device at wrap time, or
-``device_id``): each unshard copies the flat shard there first, each reduction copies the
-reduced gradient shard back. The copies are made even when the compute device is the CPU, so a
-CPU-only run exercises (and publishes, as ``events.OffloadCopy``) the same steps.
-
-[Note: requires_grad changes after wrapping]
-Users freeze or unfreeze parameters after wrapping through the sharded parameters, which the
-module exposes between passes (``named_parameters()``, ``requires_grad_``), so the unit treats
-``sharded.requires_grad`` as the truth and never fixes it at construction. Every unshard gives
-each unsharded parameter that flag (autograd then computes gradients for exactly the trainable
-parameters), and at each forward the runtime calls :meth:`FSDPUnit.update_grad_params`, which
-recomputes the parameters whose gradients ``post_backward`` waits for and the layout of the
-reduce buffer. The buffer holds only trainable parameters, so the unit still reduces with one
-collective, frozen parameters add no bytes to it and get no gradient. The buffer's size
-depends on which parameters train: every rank must freeze the same ones (as with DDP). A
-parameter frozen while it holds a gradient kept unreduced by ``no_sync`` loses that gradient.
 """
 
 from __future__ import annotations
@@ -56,7 +36,7 @@ from ._order_check import TagOp, UnitTags
 from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
-from ._reduce import input_tag_slots, reduce_gradients
+from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients
 from ._streams import CudaStreams
 
 __all__ = ["FSDPUnit"]
@@ -81,7 +61,7 @@ class FSDPUnit:
             replicated across; see [Note: unit groups] in ``_groups``.
         precision: the resolved dtypes (default: none of the parameters' dtype changes).
         offload_params: keep shards and sharded gradients on the CPU (default ``False``).
-            See [Note: CPU offload].
+            See [Note: CPU offload] in ``_offload``.
         compute_device: where forward/backward run (default: the parameters' device).
         layout: show the sharded parameters as ``DTensor``s (the composable door; default
             ``None``: plain tensors).
@@ -195,6 +175,14 @@ class FSDPUnit:
         # Set by the composable door: gradients kept unreduced accumulate in ``reduce_dtype``
         # (FSDP2), not in the compute dtype (FSDP1). See [Note: unreduced gradients].
         self.upcast_unreduced_grads = False
+        # Also the composable door's: a parameter that got no gradient keeps its ``.grad`` (FSDP2
+        # leaves it None), instead of adding the zeros of its rows (FSDP1's flat gradient).
+        self.skip_params_without_grads = False
+        # ``set_requires_all_reduce(False)`` (HSDP): reduce-scatter only, summing the shards in
+        # ``_partial_reduced`` (1D) until a backward that all-reduces; see ``_reduce``.
+        self.all_reduce_grads = True
+        self._partial_reduced: torch.Tensor | None = None
+        self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
         for p in self.params:
             p.expose_sharded()
 
@@ -301,14 +289,15 @@ class FSDPUnit:
         if all(g is None for g in grads):
             return
         reduce_input = self._reduce_input(grads)
+        got = [g is not None or not self.skip_params_without_grads for g in grads]
         streams = self.streams
         if streams is None:
-            self._store_grads(self._reduce(reduce_input))
+            self._store_grads(self._reduce(reduce_input), got)
             return
         side = streams.reduce_scatter
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._store_grads(self._reduce(reduce_input))
+            self._store_grads(self._reduce(reduce_input), got)
             done = side.record_event()
         streams.hold_reduce_input(reduce_input, done)
 
@@ -387,22 +376,35 @@ class FSDPUnit:
             full.div_(self.groups.world)  # See [Note: gradient averaging].
         return full
 
-    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor:
-        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input; see
-        ``_reduce.reduce_gradients``."""
+    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor | None:
+        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input, or
+        ``None`` while it waits for its all-reduce; see ``_reduce.reduce_gradients``."""
         numel = self._grad_numel
         # The input has tag columns iff ``_reduce_input`` saw order tags.
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
-        return reduce_gradients(reduce_input, numel, self.groups, tags, unit=self.name)
+        all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
+        reduced = reduce_gradients(
+            reduce_input, numel, self.groups, tags, unit=self.name,
+            all_reduce=all_reduce, partial=self._partial_reduced,
+        )  # fmt: skip
+        self._partial_reduced = None if all_reduce else reduced
+        if all_reduce and self.all_reduce_hook is not None:
+            self.all_reduce_hook.run(reduced, self.device)
+        return reduced if all_reduce else None
 
-    def _store_grads(self, reduced: torch.Tensor) -> None:
+    def _store_grads(self, reduced: torch.Tensor | None, got: list[bool]) -> None:
+        """Add ``reduced`` to the ``.grad`` of each parameter in ``grad_params`` whose entry
+        in ``got`` is true."""
+        if reduced is None:
+            return
         grad = reduced.to(self.precision.grad_dtype)
         if self.offload_params:
             grad = _offload.copy_to_host(
                 grad, self.device, self.streams, unit=self.name, pin=self._pin
             )
-        for p, offset in zip(self._grad_params, self._grad_offsets, strict=True):
-            p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
+        for p, offset, store in zip(self._grad_params, self._grad_offsets, got, strict=True):
+            if store:
+                p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
 
     # ------------------------------------------------------------------ full parameters
     def gather_full_params(self) -> list[torch.Tensor]:
@@ -478,7 +480,7 @@ class FSDPUnit:
     def update_grad_params(self) -> None:
         """Follow ``requires_grad`` changes made since the last forward.
 
-        See [Note: requires_grad changes after wrapping].
+        See [Note: requires_grad changes after wrapping] in ``_param``.
         """
         for p in self.params:
             p.sync_requires_grad()
@@ -504,6 +506,12 @@ class FSDPUnit:
     def has_pending_grads(self) -> bool:
         """Whether some gradient of this backward has not been reduced yet."""
         return any(p.has_unreduced_grad() for p in self._grad_params)
+
+    def drop_unreduced_grads(self) -> None:
+        """Forget every gradient not reduced into the sharded ``.grad``s yet."""
+        for p in self.params:
+            p.take_unreduced_grad()
+        self._partial_reduced = None
 
     def reset_backward(self) -> None:
         self._grads_ready.clear()

@@ -229,7 +229,8 @@ def unit_factory(
             layout=layout,
             pin_memory=offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
         )
-        unit.upcast_unreduced_grads = True  # FSDP2's no-sync accumulation dtype
+        # FSDP2's no-sync accumulation dtype, and .grad None for parameters without gradients
+        unit.upcast_unreduced_grads = unit.skip_params_without_grads = True
         if then is not None:
             then(unit)
         mark_taken(specs, unit)

@@ -73,14 +73,14 @@ def _shard_dim(api: str, spec: ParamSpec, result: object, mesh: Any, world: int)
 
     placement = result
     if hasattr(result, "placement") and hasattr(result, "mesh_info"):  # ShardPlacementResult
-        if result.mesh_info.mesh is not mesh:  # type: ignore[attr-defined]
+        if result.mesh_info.mesh is not mesh:
             raise NotImplementedError(
                 f"{api}: shard_placement_fn returned a ShardPlacementResult with its own mesh "
                 f"for {spec.fqn}; fsdp_core shards every parameter of one fully_shard call over "
                 "its mesh. Call fully_shard separately on the modules holding those parameters "
                 "with that mesh."
             )
-        placement = result.placement  # type: ignore[attr-defined]
+        placement = result.placement
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
