@@ -32,6 +32,9 @@ class RuntimeConfig:
             ``None``.
         root_input_dtype: the same, when this instance is the root.
         output_dtype: the dtype floating-point forward outputs are cast to, or ``None``.
+        cast_inputs_always: cast inputs to ``input_dtype`` also when the unit's parameters
+            keep their dtype (FSDP2; the wrapper treats such a policy as a no-op, see [Note:
+            mixed precision]).
     """
 
     reshard_after_forward: bool | int = True
@@ -43,3 +46,4 @@ class RuntimeConfig:
     input_dtype: torch.dtype | None = None
     root_input_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
+    cast_inputs_always: bool = False

@@ -76,6 +76,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._tensor_parallel import local_grad, sharded_mesh_and_placements, tp_spec_of, unsharded_param
+
 __all__ = [
     "DTensorLayout",
     "ParamSpec",
@@ -142,14 +144,19 @@ class ShardedParam:
         self.layout = layout
         self.fqn = spec.fqn
         self.slots = spec.slots
-        self.full_shape = orig.shape
+        # A DTensor parameter: its local tensor is sharded. See [Note: tensor-parallel
+        # parameters] in ``_tensor_parallel``.
+        self._tp_spec = tp_spec_of(orig, layout.mesh if layout is not None else None)
+        orig_local = local_tensor(orig)
+        self.full_shape = orig_local.shape  # what the unit shards: the local tensor
+        self.global_shape = orig.shape  # what the sharded DTensor shows
         dim = self.shard_dim = spec.shard_dim
-        self._placements = _placements(layout, dim)
+        self._mesh, self._placements = _sharded_layout(layout, dim, self._tp_spec)
         # Counted along the shard dim: see [Note: sharding on another dim].
-        self.rows = orig.shape[dim]
-        self.rest = tuple(orig.shape[1:])  # the other dims, when sharded on dim 0
+        self.rows = self.full_shape[dim]
+        self.rest = tuple(self.full_shape[1:])  # the other dims, when sharded on dim 0
         self.chunk_rows = math.ceil(self.rows / shard_world)
-        self.chunk_shape = chunk_shape(orig.shape, dim, shard_world)
+        self.chunk_shape = chunk_shape(self.full_shape, dim, shard_world)
         self.shard_numel = math.prod(self.chunk_shape)
         self.shard_world = shard_world
         start = shard_rank * self.chunk_rows
@@ -159,7 +166,7 @@ class ShardedParam:
         self.padded_shard = flat_segment.view(self.chunk_shape)  # zero padded
         with torch.no_grad():
             self.padded_shard.zero_()
-            self._valid(self.padded_shard).copy_(self._my_rows(orig))
+            self._valid(self.padded_shard).copy_(self._my_rows(orig_local))
         self.sharded = self._as_parameter(self._valid(self.padded_shard), orig.requires_grad)
         if alias and shard_world != 1:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
@@ -171,16 +178,14 @@ class ShardedParam:
         self._unsharded_padded: torch.Tensor | None
         if alias:
             self._unsharded_padded = None
-            self.unsharded = nn.Parameter(
-                self._valid(self.padded_shard), requires_grad=orig.requires_grad
-            )
+            local = self._valid(self.padded_shard)
         else:
-            padded = list(orig.shape)
+            padded = list(self.full_shape)
             padded[dim] = self.chunk_rows * shard_world
             self._unsharded_padded = torch.empty(padded, dtype=compute_dtype, device=compute_device)
-            self.unsharded = nn.Parameter(
-                self._unsharded_padded.narrow(dim, 0, self.rows), requires_grad=orig.requires_grad
-            )
+            local = self._unsharded_padded.narrow(dim, 0, self.rows)
+        self.unsharded = unsharded_param(local, self._tp_spec, orig.requires_grad)
+        if self._unsharded_padded is not None:
             self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
             self.free_unsharded()
 
@@ -225,15 +230,19 @@ class ShardedParam:
         with torch.no_grad():
             return DTensor.from_local(
                 local,
-                self.layout.mesh,
+                self._mesh,
                 self._placements,
                 run_check=False,
-                shape=self.full_shape,
-                stride=_contiguous_stride(self.full_shape),
+                shape=self.global_shape,
+                stride=_contiguous_stride(self.global_shape),
             )
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``full`` (``full_shape``) in the sharded parameter's form."""
+        """This rank's rows of ``full`` (``global_shape``) in the sharded parameter's form."""
+        if self._tp_spec is not None:
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(full.detach(), self._mesh, self._placements)
         rows = self._my_rows(full.detach()).to(self.padded_shard.device)
         return self._as_sharded_tensor(rows.contiguous())
 
@@ -242,7 +251,7 @@ class ShardedParam:
         shows now (see [Note: replaced parameters] in ``_replaced``), and show it again."""
         local = local_tensor(current)
         rows = self._valid(self.padded_shard)
-        if local.shape != rows.shape and current.shape == self.full_shape:
+        if local.shape != rows.shape and current.shape == self.full_shape == self.global_shape:
             local = self._my_rows(local)  # a full tensor
         if local.shape != rows.shape:
             raise ValueError(
@@ -275,7 +284,7 @@ class ShardedParam:
         return (
             spec is not None
             and tuple(spec.placements) == tuple(self._placements)
-            and spec.mesh == self.layout.mesh
+            and spec.mesh == self._mesh
         )
 
     def current(self) -> torch.Tensor:
@@ -283,7 +292,7 @@ class ShardedParam:
         sharded parameter, if one was assigned, else the sharded parameter."""
         for module, name in self.slots:
             value = module._parameters.get(name)
-            if value is not None and value is not self.sharded:
+            if value is not None and value is not self.sharded and value is not self.unsharded:
                 return value
         return self.sharded
 
@@ -291,6 +300,11 @@ class ShardedParam:
         """Compute in ``dtype`` from now on (the unit's dtype changed); unsharded storage freed."""
         if self._unsharded_padded is None or self._unsharded_padded.dtype == dtype:
             return
+        if self._tp_spec is not None:
+            raise NotImplementedError(
+                f"fully_shard: the dtype of tensor-parallel parameter {self.fqn!r} changed after "
+                "sharding; cast the module with .to(dtype) before fully_shard."
+            )
         self._unsharded_padded = torch.empty_like(self._unsharded_padded, dtype=dtype)
         # ``.data``: the same Parameter object, which autograd hooks are registered on.
         self.unsharded.data = self._unsharded_padded.narrow(self.shard_dim, 0, self.rows)
@@ -298,14 +312,14 @@ class ShardedParam:
         self.free_unsharded()
 
     def alloc_unsharded(self) -> None:
-        if not self._aliased:
-            storage = self.unsharded.untyped_storage()
+        if self._unsharded_padded is not None:
+            storage = self._unsharded_padded.untyped_storage()
             if storage.nbytes() != self._padded_nbytes:
                 storage.resize_(self._padded_nbytes)
 
     def free_unsharded(self) -> None:
-        if not self._aliased:
-            self.unsharded.untyped_storage().resize_(0)
+        if self._unsharded_padded is not None:
+            self._unsharded_padded.untyped_storage().resize_(0)
 
     def copy_from_gathered(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded storage from this parameter's ``(world, shard)`` gathered block."""
@@ -365,7 +379,7 @@ class ShardedParam:
     def take_unreduced_grad(self) -> torch.Tensor | None:
         """The gradient not reduced yet (full shape), and forget it. See [Note: unreduced
         gradients]."""
-        grad, kept = self.unsharded.grad, self.unreduced_grad
+        grad, kept = local_grad(self.unsharded.grad, self._tp_spec), self.unreduced_grad
         self.unsharded.grad = self.unreduced_grad = None
         if kept is None:
             return grad
@@ -445,15 +459,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _placements(layout: DTensorLayout | None, dim: int) -> tuple[Any, ...]:
-    """The sharded ``DTensor``'s placements: the layout's, sharding on ``dim``."""
+def _sharded_layout(
+    layout: DTensorLayout | None, dim: int, tp_spec: Any
+) -> tuple[Any, tuple[Any, ...]]:
+    """The sharded ``DTensor``'s mesh and placements: the layout's, sharding on ``dim``, with
+    a tensor-parallel parameter's own dims after them."""
     if layout is None:
-        return ()
-    if dim == 0:
-        return layout.placements
-    from torch.distributed.tensor import Shard
+        return None, ()
+    placements = layout.placements
+    if dim != 0:
+        from torch.distributed.tensor import Shard
 
-    return (*layout.placements[:-1], Shard(dim))
+        placements = (*placements[:-1], Shard(dim))
+    if tp_spec is None:
+        return layout.mesh, placements
+    return sharded_mesh_and_placements(layout.mesh, placements, dim, tp_spec)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

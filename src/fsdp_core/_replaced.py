@@ -40,6 +40,8 @@ __all__ = ["adopt", "adopt_at_lazy_init"]
 
 def adopt(unit: FSDPUnit) -> None:
     """See [Note: replaced parameters]."""
+    if unit.is_unsharded:
+        return  # the module shows the unit's unsharded parameters (an explicit unshard)
     current = [p.current() for p in unit.params]
     old = unit.flat_shard.untyped_storage().data_ptr()
     if all(local_tensor(c).untyped_storage().data_ptr() == old for c in current):

@@ -271,7 +271,11 @@ class FSDPState:
         config = self.config
         dtype = config.root_input_dtype if self.is_root else None
         dtype = dtype or config.input_dtype
-        if dtype is None or (self.unit is not None and not self.unit.precision.casts_params):
+        if dtype is None or (
+            self.unit is not None
+            and not self.unit.precision.casts_params
+            and not config.cast_inputs_always
+        ):
             return None  # a no-op policy: see [Note: mixed precision]
         return dtype
 
@@ -379,8 +383,10 @@ class FSDPState:
                 # Some parameter got no gradient in this backward (unused on this path).
                 state._post_backward(prefetch=False)
             if unit is not None:
-                if state.reshard_after_backward:
-                    unit.reshard("backward")  # units without gradients, or prefetched unused
+                # Only units still unsharded (no gradients, or prefetched unused) reshard: a
+                # reshard is a free, which patches and delays count (FSDP1 skips them too).
+                if state.reshard_after_backward and unit.is_unsharded:
+                    unit.reshard("backward")
                 else:
                     unit.drop_post_forward()
                 unit.reset_backward()

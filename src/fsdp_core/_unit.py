@@ -33,7 +33,7 @@ from torch import nn
 from . import _collectives, _offload, _order_check, _replaced, events
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
-from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape
+from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape, local_tensor
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
 from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients
@@ -127,7 +127,8 @@ class FSDPUnit:
         alias = not self._sharded and not offload_params and not self.precision.casts_params
 
         numels = [
-            math.prod(chunk_shape(s.param.shape, s.shard_dim, self._shard_world)) for s in specs
+            math.prod(chunk_shape(local_tensor(s.param).shape, s.shard_dim, self._shard_world))
+            for s in specs
         ]
         # The flat shard and two spare elements for the all-gather's order tag, so that an
         # all-gather in the shard's dtype and device sends this buffer without a copy.
@@ -278,7 +279,7 @@ class FSDPUnit:
         ``upcast_unreduced_grads``; see [Note: unreduced gradients] in ``_param``). With
         ``reshard=False`` the unsharded parameters stay (``set_reshard_after_backward(False)``).
         """
-        if reshard:
+        if reshard and self.is_unsharded:  # see ``FSDPState._final_callback``
             self.reshard("backward")
         if not reduce:
             if self.upcast_unreduced_grads:

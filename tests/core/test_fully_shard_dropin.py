@@ -220,3 +220,70 @@ def test_module_cast_to_another_dtype_after_sharding_trains_in_it(rank, process_
     for (name, p), q in zip(model.named_parameters(), ddp.module.parameters(), strict=True):
         assert p.dtype == p.to_local().dtype == p.grad.dtype == torch.float64, name
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+def test_mixed_precision_policy_takes_fsdp2s_positional_fields():
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float16, False)
+    assert policy == MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.float16,
+        cast_forward_inputs=False,
+    )
+
+
+@pytest.mark.distributed(world_size=4)
+def test_mesh_and_parameter_errors_are_fsdp2s(rank, process_group):
+    """A 2-D mesh without dim names (FSDP2: AssertionError), a 3-D mesh (ValueError with
+    FSDP2's words) and a channels-last parameter (NotImplementedError), each naming fully_shard."""
+    ranks = torch.tensor(dist.get_process_group_ranks(process_group))
+    with pytest.raises(AssertionError, match=r"fully_shard: Please init the 2D mesh for HSDP"):
+        fully_shard(_mlp(), mesh=DeviceMesh("cpu", ranks.view(2, 2)))
+    with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but got"):
+        fully_shard(_mlp(), mesh=DeviceMesh("cpu", ranks.view(4, 1, 1)))
+    conv = nn.Conv2d(4, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"fully_shard: FSDP does not support non-contiguous parameters yet: \['weight",
+    ):
+        fully_shard(conv, mesh=_mesh(process_group))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_tensor_parallel_parameters_shard_over_the_data_parallel_mesh(rank, process_group):
+    """[Note: tensor-parallel parameters]: an MLP made tensor parallel over 'tp' and sharded
+    over 'dp' shows FSDP2's 2-D placements, the original full values, and trains like its
+    replicas averaged over 'dp'."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    ranks = torch.tensor(dist.get_process_group_ranks(process_group)).view(2, 2)
+    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    expected = {
+        "0.weight": (_StridedShard(0, split_factor=2), Shard(0)),
+        "0.bias": (_StridedShard(0, split_factor=2), Shard(0)),
+        "2.weight": (Shard(0), Shard(1)),
+        "2.bias": (Shard(0), Replicate()),
+    }
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.device_mesh.mesh_dim_names == ("dp", "tp"), name
+        assert tuple(p.placements) == expected[name], (name, p.placements)
+        assert torch.equal(p.full_tensor(), q.detach()), name
+    dp_group = mesh["dp"].get_group()
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank // 2))
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = q.grad.clone()
+        dist.all_reduce(grad, group=dp_group)
+        torch.testing.assert_close(p.grad.full_tensor(), grad / 2, msg=name)

@@ -328,3 +328,67 @@ def test_requires_all_reduce_false_reduce_scatters_only_until_the_last(rank, pro
     assert sum("reduce_scatter" in op for op in ops) == 3
     assert sum("all_reduce" in op for op in ops) == 1
     _assert_grads(model, _averaged_grads(reference, process_group))
+
+
+@pytest.mark.parametrize("door", ["fully_shard", "wrapper"])
+@pytest.mark.distributed(world_size=2)
+def test_the_runtime_reshards_only_units_holding_unsharded_parameters(
+    door, rank, process_group, monkeypatch
+):
+    """Every FSDPUnit.reshard call frees something: once per unit in backward, as FSDP1's
+    _reshard (a delay patched on reshard, as test_fsdp_core's mixture of experts does, used
+    to sleep twice per unit and step)."""
+    from fsdp_core import FSDP
+    from fsdp_core._unit import FSDPUnit
+
+    calls: list[bool] = []
+    original = FSDPUnit.reshard
+
+    def counting(self: FSDPUnit, *args: object, **kwargs: object) -> None:
+        calls.append(self.is_unsharded)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPUnit, "reshard", counting)
+    torch.manual_seed(0)
+    model = _Net()
+    if door == "wrapper":
+        for block in model.blocks:
+            block.lin1 = FSDP(block.lin1, process_group)
+        model = FSDP(model, process_group)
+    else:
+        for block in model.blocks:
+            fully_shard(block.lin1, mesh=_mesh(process_group))
+        fully_shard(model, mesh=_mesh(process_group))
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+    # Per step: each lin1 after its forward and after its backward, the root after backward.
+    assert calls == [True] * 2 * (2 + 2 + 1)
+
+
+@pytest.mark.distributed(world_size=4, mode="thread")
+def test_int_reshard_after_forward_with_thread_ranks(rank, process_group):
+    """reshard_after_forward=2 builds groups of two ranks, cached per rank: with thread ranks
+    (one process) each rank must find its own groups, not another thread's (rank 0 used to
+    create them again alone and hang the others)."""
+    mesh = _mesh(process_group)
+    for _ in range(2):
+        model = _Net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=2)
+        fully_shard(model, mesh=mesh, reshard_after_forward=2)
+        model(torch.randn(2, 8)).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.distributed(world_size=2)
+def test_inputs_are_cast_to_param_dtype_even_when_it_is_the_parameters_dtype(rank, process_group):
+    """FSDP2 casts forward inputs to param_dtype whenever it is set: with param_dtype=float32
+    and output_dtype=bfloat16 the next unit gets its bf16 input back in float32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    model = _Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=_mesh(process_group), mp_policy=policy)
+    fully_shard(model, mesh=_mesh(process_group), mp_policy=policy)
+    out = model(torch.randn(2, 8))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()

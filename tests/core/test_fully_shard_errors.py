@@ -94,8 +94,9 @@ def test_bad_input_raises_naming_the_value_and_the_fix(rank, process_group):
 
 @pytest.mark.distributed(world_size=2)
 def test_the_root_keeps_its_parameters_after_forward_by_default(rank, process_group):
-    """Left at the default (True), the root's unit stays gathered after forward and the
-    blocks reshard; the root's set_reshard_after_forward(True) makes it reshard too."""
+    """Left at the default (None), the root's unit stays gathered after forward and the
+    blocks reshard; the root's set_reshard_after_forward(True), or an explicit True, makes it
+    reshard too."""
     mesh = _mesh(process_group)
     model = NestedModel()
     fully_shard(model.block, mesh=mesh)
@@ -108,6 +109,14 @@ def test_the_root_keeps_its_parameters_after_forward_by_default(rank, process_gr
     assert isinstance(model.inp.weight, DTensor)
 
     model.set_reshard_after_forward(True, recurse=False)
+    loss = model(x).sum()
+    assert isinstance(model.inp.weight, DTensor)
+    loss.backward()
+
+    # An explicit True reshards the root too (torch 2.13: only the default None keeps it).
+    model = NestedModel()
+    fully_shard(model.block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
     loss = model(x).sum()
     assert isinstance(model.inp.weight, DTensor)
     loss.backward()

@@ -40,7 +40,7 @@ def fully_shard(
     module: M | list[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: ShardPlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
@@ -67,10 +67,10 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and
             all-gathers them again in backward; ``False`` keeps them; an int ``N`` dividing
             the shard world size keeps a copy sharded over groups of ``N`` ranks so the
-            backward all-gather stays inside them. Default ``True``; the root keeps its
-            parameters when left at the default (backward needs them first), as FSDP2 does
-            (``None``, torch 2.13's default, means the same; ``root.set_reshard_after_forward``
-            overrides it).
+            backward all-gather stays inside them. Default ``None``, as in FSDP2: ``True``
+            for every module but the root, which keeps its parameters (backward needs them
+            first); an explicit ``True`` or int applies to the root too, and
+            ``root.set_reshard_after_forward`` changes it later.
         shard_placement_fn: ``fn(param)`` returning ``Shard(dim)`` to shard that parameter on
             ``dim`` (negative counts from the end), or ``None`` for dim 0 (default ``None``:
             dim 0 for all). A dim other than 0 must divide evenly by the shard world size;
@@ -117,16 +117,13 @@ def fully_shard(
     param_dtype = mp_policy.param_dtype
     config = RuntimeConfig(
         reshard_after_forward=rsf,
-        # The default (True, or None as in torch 2.13) leaves the root's parameters gathered
-        # after forward; an int applies to the root too.
-        reshard_root_after_forward=(
-            reshard_after_forward is not None
-            and reshard_after_forward is not True
-            and rsf is not False
-        ),
+        # The default (None, as in torch 2.13) leaves the root's parameters gathered after
+        # forward; an explicit True or int applies to the root too.
+        reshard_root_after_forward=reshard_after_forward is not None and rsf is not False,
         limit_all_gathers=True,
         input_dtype=param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
+        cast_inputs_always=True,  # as FSDP2
     )
     attach("fully_shard", modules, FSDPState(modules[0], unit, config), make_unit, "FSDP")
     return module

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .._param import ParamSpec
+from .._param import ParamSpec, local_tensor
 
 __all__ = ["ShardPlacementFn", "ValueAssertionError", "place_params", "validate_params"]
 
@@ -88,7 +88,7 @@ def _shard_dim(api: str, spec: ParamSpec, result: object, mesh: Any, world: int)
             f"{api}: invalid shard_placement_fn result {result!r} for {spec.fqn}: return "
             "Shard(dim), or None to shard on dim 0."
         )
-    shape = spec.param.shape
+    shape = local_tensor(spec.param).shape  # a tensor-parallel DTensor: its local piece
     dim = placement.dim + len(shape) if placement.dim < 0 else placement.dim
     if not 0 <= dim < len(shape):
         raise ValueAssertionError(
