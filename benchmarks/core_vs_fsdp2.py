@@ -24,7 +24,7 @@ to backward (both ``fully_shard``s: ``reshard_after_forward=False`` on the root,
 the wrapper and FSDP1 do for the root).
 
 ``--order-check-cost`` adds a fourth model to the interleaved phase: fsdp_core with its order
-tags switched off (``fsdp_core._runtime.set_order_tags``, for measurement only), and reports
+tags switched off (``fsdp_core.debug.set_order_check``, a debugging option), and reports
 fsdp_core's paired ratio to it, i.e. what the in-payload order check (see [Note: order check] in
 ``fsdp_core/_order_check.py``) costs per step.
 
@@ -93,7 +93,7 @@ def _wrap(engine: str, model: Any, block_class: type) -> Any:
     if engine in ("fsdp_core", CORE_UNTAGGED):
         from fsdp_core import BackwardPrefetch, ShardingStrategy
         from fsdp_core import FullyShardedDataParallel as FSDP
-        from fsdp_core._runtime import set_order_tags
+        from fsdp_core.debug import set_order_check
         from fsdp_core.wrap import ModuleWrapPolicy
 
         wrapped = FSDP(
@@ -102,7 +102,7 @@ def _wrap(engine: str, model: Any, block_class: type) -> Any:
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         )
-        set_order_tags(wrapped, enabled=engine == "fsdp_core")
+        set_order_check(wrapped, enabled=engine == "fsdp_core")
         return wrapped
     if engine == CORE_FULLY_SHARD:
         from fsdp_core import fully_shard as core_fully_shard

@@ -27,8 +27,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from fsdp_testing._compat.assertions import TestCase
-from fsdp_testing._compat.requirements import _world as _compat_world
-from fsdp_testing._compat.world import WorldChoice, choose_world_size, scaled_timeout
+from fsdp_testing._compat.world import (
+    WorldChoice,
+    choose_world_size,
+    in_test_world,
+    scaled_timeout,
+)
 from fsdp_testing._launch.spec import DistSpec, Mode
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
@@ -140,7 +144,7 @@ class _MethodTask:
     file_name: str
 
     def run_on_rank(self, ctx: RankContext) -> None:
-        from fsdp_testing._rank.import_test import resolve
+        from fsdp_testing._rank.resolve import resolve
 
         cls = resolve(self.cls_ref)
         token = _on_rank.set(True)
@@ -400,9 +404,12 @@ class _DistributedTestCase(TestCase):
         except BaseException as exc:
             exc.add_note(f"in setUpRank on rank {ctx.rank}")
             raise
-        world = _compat_world.set(ctx.world_size)
         try:
-            with _compatible_init_process_group(ctx), self._rank_method_context():
+            with (
+                in_test_world(ctx.world_size),
+                _CompatibleInitProcessGroup(ctx),
+                self._rank_method_context(),
+            ):
                 getattr(self, method)()
         except unittest.SkipTest:
             raise
@@ -414,7 +421,6 @@ class _DistributedTestCase(TestCase):
                 f"the test needs an accelerator, which this machine lacks ({reason})"
             ) from exc
         finally:
-            _compat_world.reset(world)
             if self._mode is Mode.THREAD:
                 self.perThreadTearDown()
             self.tearDownRank()
@@ -426,7 +432,7 @@ class _DistributedTestCase(TestCase):
         """Thread mode: runs in each rank thread after the method (torch's name)."""
 
 
-class _compatible_init_process_group:
+class _CompatibleInitProcessGroup:
     """Tests written for torch's ``MultiProcessTestCase`` join the process group themselves
     (``dist.init_process_group(..., init_method=self.init_method)``) and leave it at the end. On
     a warm rank the group already exists: joining it again with the same rank and world size is

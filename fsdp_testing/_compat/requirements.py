@@ -12,7 +12,6 @@ checked on the rank, against the world the test actually got. ROCm and sandcastl
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import importlib.util
 import os
@@ -28,6 +27,7 @@ from fsdp_testing._rank.skips import TEST_SKIPS
 
 from .env import TEST_CUDA, TEST_HPU, TEST_WITH_ROCM, accelerator_count
 from .parametrize import skip_but_pass_in_sandcastle_if
+from .world import running_world_size
 
 __all__ = [
     "ACCELERATOR_DIST_BACKENDS",
@@ -62,15 +62,10 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 ACCELERATOR_DIST_BACKENDS = ["nccl", "xccl", "hccl"]
 DDP_RANK_DEVICES = ["cuda", "xpu"]
 
-#: The world size of the test running on this rank (set by the unittest classes).
-_world: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "fsdp_testing_compat_world", default=None
-)
-
-
 def current_world_size() -> int | None:
-    """The world size of the test running on this rank, else ``$WORLD_SIZE``, else None."""
-    value = _world.get()
+    """The world size of the test running on this rank (``world.running_world_size``), else
+    ``$WORLD_SIZE``, else None."""
+    value = running_world_size()
     if value is not None:
         return value
     raw = os.environ.get("WORLD_SIZE")

@@ -16,8 +16,11 @@ plugin can configure it at start-up.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
+from collections.abc import Iterator
 
 __all__ = [
     "CPU_WORLD_SIZE_ENV",
@@ -25,12 +28,40 @@ __all__ = [
     "WorldChoice",
     "choose_world_size",
     "cpu_world_size",
+    "in_test_world",
+    "running_world_size",
     "scaled_timeout",
     "set_cpu_world_size",
 ]
 
 CPU_WORLD_SIZE_ENV = "FSDP_TESTING_CPU_WORLD_SIZE"
 DEFAULT_CPU_WORLD_SIZE = 2
+
+# The world size of the test method running on this rank (thread ranks each have their own).
+_running: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "fsdp_testing_running_world_size", default=None
+)
+
+
+@contextlib.contextmanager
+def in_test_world(world_size: int) -> Iterator[None]:
+    """Within the block, :func:`running_world_size` is ``world_size``: the unittest classes enter
+    it on each rank around a test method, so that decorators checked on the rank
+    (``skip_if_odd_worldsize``) see the world the test actually got.
+
+    Args:
+        world_size: the ranks of the running test.
+    """
+    token = _running.set(_validate_world(world_size, "in_test_world"))
+    try:
+        yield
+    finally:
+        _running.reset(token)
+
+
+def running_world_size() -> int | None:
+    """The world size of the test method running on this rank, or ``None`` outside one."""
+    return _running.get()
 
 
 def _validate_world(value: object, source: str) -> int:

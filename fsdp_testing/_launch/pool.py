@@ -69,7 +69,6 @@ class _Generation:
     conns: list[Connection]
     pids: list[int]
     pg_timeout_s: float
-    tests_served: int = 0
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.gen_dir, f"rank{rank}.log")
@@ -105,7 +104,6 @@ class ProcessLauncher:
         self._pools: dict[tuple[int, str], _Generation] = {}
         """Warm generations by (world size, backend)."""
         self._gen_counter = 0
-        self.generations_started = 0
 
     # --- the fork server ----------------------------------------------------------------------
 
@@ -202,7 +200,6 @@ class ProcessLauncher:
         except BaseException:
             self._kill(pids)
             raise
-        self.generations_started += 1
         return _Generation(
             world_size, backend, gen_dir, [c for c in conns if c], pids, pg_timeout_s
         )
@@ -263,7 +260,6 @@ class ProcessLauncher:
         for conn in gen.conns:
             conn.send_bytes(payload)
         obs = self._collect(gen, timeout, offsets)
-        gen.tests_served += 1
         trusted = not (obs.stragglers or obs.dead) and not any(
             r.needs_restart for r in obs.results.values()
         )

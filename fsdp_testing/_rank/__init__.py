@@ -4,6 +4,6 @@
 - ``context.py``: the values of the rank fixtures.
 - ``capture.py``: per-rank capture of what the test prints.
 - ``state_reset.py``: per-test state reset on a warm rank.
-- ``import_test.py``: importing the test function in a rank process (asserts rewritten).
+- ``resolve.py``: importing the test function in a rank process (asserts rewritten).
 - ``skips.py``: torch's ``TEST_SKIPS`` exit codes.
 """

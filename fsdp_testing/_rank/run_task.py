@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from fsdp_testing._protocol import FunctionRef, Outcome, RankFixture, RankResult, Task
 from fsdp_testing._rank.capture import CaptureRouter
 from fsdp_testing._rank.context import RankContext
-from fsdp_testing._rank.import_test import resolve
+from fsdp_testing._rank.resolve import resolve
 from fsdp_testing._rank.skips import skip_message_for_exit_code
 
 __all__ = ["run_task"]

@@ -35,32 +35,28 @@ class RankState:
         self._attrs = [dict(vars(m)) for m in self._modules]
         self._groups = set(c10d._world.pg_map)
 
-    def restore(self) -> list[str]:
-        """Restore the captured state; return what had to be undone (for diagnostics)."""
+    def restore(self) -> None:
+        """Restore the captured state."""
         import torch
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        undone: list[str] = []
         for module, attrs in zip(self._modules, self._attrs, strict=True):
             current = vars(module)
             for key in [k for k in current if k not in attrs]:
                 if isinstance(current[key], types.ModuleType):
                     continue  # a submodule imported during the test stays imported
                 delattr(module, key)
-                undone.append(f"{module.__name__}.{key} (added)")
             for key, value in attrs.items():
                 if key in _MONOTONIC:
                     continue
                 if current.get(key, _MISSING) is not value:
                     setattr(module, key, value)
-                    undone.append(f"{module.__name__}.{key} (patched)")
         for pg in [pg for pg in list(c10d._world.pg_map) if pg not in self._groups]:
             try:
                 dist.destroy_process_group(pg)
             except Exception:  # a group the test already broke: drop it all the same
                 c10d._world.pg_map.pop(pg, None)
-            undone.append("extra process group")
         _forget_dtensor_meshes()
         torch.set_rng_state(self._rng)
         random.setstate(self._py_rng)
@@ -68,7 +64,6 @@ class RankState:
         torch.set_grad_enabled(True)
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)
-        return undone
 
 
 def _forget_dtensor_meshes() -> None:

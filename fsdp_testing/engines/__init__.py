@@ -10,7 +10,10 @@ neither ``fsdp_core`` nor torch's FSDP modules.
 By role: ``_base`` (the :class:`FSDPEngine` protocol, :class:`BaseEngine` defaults, shared
 helpers), ``_registry`` (names, the default and the per-context choice), ``_probe`` (what the
 recorder asks an engine), ``_volume`` (the theoretical communication of a step), ``_wrapper``
-(the FSDP1-style wrapper API both ``fsdp_core`` and FSDP1 have), and one module per engine.
+(the FSDP1-style wrapper API both ``fsdp_core`` and FSDP1 have), ``_composable`` (the
+``fully_shard`` API both ``fsdp_core`` and FSDP2 have), ``_core`` (what the ``fsdp_core``
+engines share: they read the core through ``fsdp_core.unit_views`` and its events), and one
+module per engine.
 """
 
 from ._base import (

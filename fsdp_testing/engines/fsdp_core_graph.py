@@ -1,7 +1,8 @@
 """Engine for fsdp_core's graph mode: ``fsdp_core.fully_shard`` units, each step one traced graph.
 
-It shards exactly as ``fsdp_core_fully_shard`` does (same option mapping, same units), marks the
-root, and steps the model itself (:class:`~fsdp_testing.engines.StepsItself`): the first step of
+It shards exactly as ``fsdp_core_fully_shard`` does (the same ``engines/_core.py`` composable
+engine: same option mapping, same units, patch targets and probe), marks the root, and steps
+the model itself (:class:`~fsdp_testing.engines.StepsItself`): the first step of
 a batch shape traces forward, loss and backward with ``fsdp_core.graph.trace_train_step`` and
 applies the passes the options ask for; every step runs that graph, observed (its collectives
 go through ``torch.distributed`` and publish ``fsdp_core.events``, see [Note: observed graph
@@ -24,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._core import CoreComposableEngine
 from ._volume import CommVolume, UnitVolume, padded_bytes
-from .fsdp_core_fully_shard import FSDPCoreFullyShardEngine
 
 __all__ = ["FSDPCoreGraphEngine"]
 
@@ -38,7 +39,7 @@ def _graph() -> Any:
     return importlib.import_module("fsdp_core.graph")
 
 
-class FSDPCoreGraphEngine(FSDPCoreFullyShardEngine):
+class FSDPCoreGraphEngine(CoreComposableEngine):
     """:class:`~fsdp_testing.engines.FSDPEngine` for fsdp_core's graph mode."""
 
     name = "fsdp_core_graph"
@@ -46,7 +47,7 @@ class FSDPCoreGraphEngine(FSDPCoreFullyShardEngine):
     def wrap(
         self, module: nn.Module, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any
     ) -> nn.Module:
-        reshard = self._core_kwargs(fsdp_kwargs).get("reshard_after_forward", True)
+        reshard = self._fully_shard_kwargs(fsdp_kwargs).get("reshard_after_forward", True)
         module = super().wrap(module, process_group, **fsdp_kwargs)
         module.__dict__[_PASSES] = ("reshard_after_forward",) * bool(reshard) + ("prefetch",)
         module.__dict__[_STEPS] = {}
@@ -101,16 +102,10 @@ class FSDPCoreGraphEngine(FSDPCoreFullyShardEngine):
         steps: dict[Any, Any] = module.__dict__.get(_STEPS) or {}
         if not steps:
             return None
-        meta = importlib.import_module("fsdp_core.graph._meta")
-        units = importlib.import_module("fsdp_core.graph._units").find_units(
-            "theoretical_volume", module
-        )
-        gm = next(iter(steps.values())).gm
-        regathered = [
-            u for n in gm.graph.nodes if meta.is_all_gather(n) for u in meta.unit_names(n)
-        ]
+        step = next(iter(steps.values()))
+        regathered = step.gathers_per_unit()
         volumes = []
-        for unit in units:
+        for unit in step.units:
             world = unit.group.size()
             if world == 1:
                 continue  # a group of one moves nothing
@@ -125,7 +120,7 @@ class FSDPCoreGraphEngine(FSDPCoreFullyShardEngine):
                     name=unit.fqn or "<root>",
                     gather_bytes=sum(padded_bytes(s, world, size) for s, size in shapes),
                     reduce_bytes=sum(padded_bytes(s, world, size) for s, size in trainable),
-                    gathers=regathered.count(unit.fqn),
+                    gathers=regathered.get(unit.fqn, 0),
                     reduce_kind="reduce_scatter" if trainable else None,
                 )
             )

@@ -1,13 +1,34 @@
 """fsdp_core: a readable FSDP engine on torch.distributed collectives.
 
-Layout (one role per module):
+Layout (one role per module). Public:
 
 - ``api``: public enums and frozen config dataclasses.
+- ``fully_sharded_data_parallel``: the FSDP1-style wrapper door, ``FullyShardedDataParallel``.
+- ``_composable``: the composable door, ``fully_shard``, ``replicate`` and ``FSDPModule``
+  (FSDP2 names; private package, its names are re-exported here).
+- ``views``: ``unit_views``, frozen views of how a model is sharded (both doors), for code on
+  top of the engine (the harness, graph mode, benchmarks).
+- ``debug``: switches for tools and measurement (``suspend_hooks``, ``set_order_check``).
+- ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
+- ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
+- ``checkpoint``: DCP ``get_state_dict``/``set_state_dict``/``save``/``load`` for both doors.
+- ``sharded_grad_scaler``: ``ShardedGradScaler``, loss scaling with found-inf agreed by all ranks.
+- ``graph``: graph mode, a ``fully_shard`` step as one FX graph and FSDP's choices as passes
+  over it (imported on its own: ``import fsdp_core.graph``).
+
+The engine both doors share:
+
 - ``_init``: construction steps both doors share (owned parameters and buffers, nested units,
   ``sync_module_states``).
+- ``_wrapper_args``: the wrapper door's argument checks and its groups.
+- ``_groups``: a unit's process groups (shard, replicate, the hybrid grid).
 - ``_param``: one parameter moving between its local dim-0 shard and its unsharded form.
 - ``_unit``: ``FSDPUnit``, the parameters of one fully sharded module, with one all-gather per
-  unshard and one gradient reduction per backward (CPU offload copies included).
+  unshard and one gradient reduction per backward.
+- ``_reduce``: a unit's gradient reduction over its groups (reduce-scatter, then all-reduce
+  across replicas).
+- ``_post_forward``: resharding after forward to a smaller group (``reshard_after_forward=N``).
+- ``_offload``: CPU offload copies.
 - ``_precision``: resolved mixed precision dtypes, input casting, buffer slots.
 - ``_streams``: the CUDA side streams and the events that order them (absent on the CPU).
 - ``_collectives``: pure functions over ``torch.distributed`` (looked up at call time).
@@ -20,17 +41,10 @@ Layout (one role per module):
 - ``_sharded_state_dict``: sharded (``DTensor``) and local state dict save and load.
 - ``_state_dict_types``: ``state_dict_type`` settings and the save/load dispatch on them.
 - ``_optim_state``: optimizer state dicts keyed by parameter name (full, sharded, local).
-- ``checkpoint``: DCP ``get_state_dict``/``set_state_dict``/``save``/``load`` for both doors.
 - ``_clip_grad``: gradient norm clipping over all shards.
-- ``events``: the publish/subscribe hook that makes unshard/reshard/collectives observable.
-- ``wrap``: auto-wrap policies and manual ``wrap``/``enable_wrap``.
-- ``sharded_grad_scaler``: ``ShardedGradScaler``, loss scaling with found-inf agreed by all ranks.
-- ``fully_sharded_data_parallel``: the FSDP1-style wrapper door.
-- ``_composable``: the composable door, ``fully_shard``, ``replicate`` and ``FSDPModule``
-  (FSDP2 names).
 """
 
-from . import events, wrap
+from . import debug, events, views, wrap
 from ._composable import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -63,6 +77,7 @@ from .api import (
 )
 from .fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
+from .views import ParamView, ShardedState, UnitView, unit_views
 
 __all__ = [
     "FSDP",
@@ -81,19 +96,25 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "ParamView",
     "ShardedGradScaler",
     "ShardedOptimStateDictConfig",
+    "ShardedState",
     "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
     "TrainingState",
+    "UnitView",
     "UnshardHandle",
+    "debug",
     "events",
     "fully_shard",
     "register_fsdp_forward_method",
     "replicate",
     "share_comm_ctx",
+    "unit_views",
+    "views",
     "wrap",
 ]

@@ -10,8 +10,9 @@ for every dtype, so the engine always averages by dividing the local gradient by
 *before* a SUM collective. That is what DDP does (it pre-divides each bucket by the world size and
 all-reduces with SUM), so for fp32 at world sizes that are powers of two the arithmetic matches
 DDP operation for operation; any remaining difference comes from the order in which the backend
-sums the contributions. Pre-dividing keeps magnitudes bounded in low precision for the sizes used
-here; the mixed-precision work may split the factor into a pre- and post-divide.
+sums the contributions. Under mixed precision the pre-division happens in ``reduce_dtype``
+(``FSDPUnit._reduce_input``), which keeps magnitudes bounded in low precision for the world
+sizes used here.
 """
 
 from __future__ import annotations

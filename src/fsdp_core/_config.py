@@ -19,7 +19,8 @@ class RuntimeConfig:
     Args:
         reshard_after_forward: free the unsharded parameters after forward (``True``), keep
             them for backward (``False``), or keep a copy sharded over groups of that many
-            ranks (an int; see [Note: reshard after forward to a smaller world] in ``_unit``).
+            ranks (an int; see [Note: reshard after forward to a smaller world] in
+            ``_post_forward``).
         reshard_root_after_forward: whether the root honours ``reshard_after_forward``; the
             root's parameters are the first that backward needs, so both doors keep them by
             default.
@@ -32,6 +33,8 @@ class RuntimeConfig:
             ``None``.
         root_input_dtype: the same, when this instance is the root.
         output_dtype: the dtype floating-point forward outputs are cast to, or ``None``.
+        api: the door that made the instance, for messages and door-specific behaviour:
+            ``"FullyShardedDataParallel"`` (default), ``"fully_shard"`` or ``"replicate"``.
         cast_inputs_always: cast inputs to ``input_dtype`` also when the unit's parameters
             keep their dtype (FSDP2; the wrapper treats such a policy as a no-op, see [Note:
             mixed precision]).
@@ -47,3 +50,4 @@ class RuntimeConfig:
     root_input_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_inputs_always: bool = False
+    api: str = "FullyShardedDataParallel"

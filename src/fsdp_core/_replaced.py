@@ -73,17 +73,17 @@ def adopt(unit: FSDPUnit) -> None:
         offset += p.shard_numel
 
 
-def adopt_at_lazy_init(units: list[tuple[str, FSDPUnit]]) -> None:
+def adopt_at_lazy_init(units: list[tuple[str, FSDPUnit, str]]) -> None:
     """At the root's lazy init: adopt every composable unit's replaced parameters, then raise
-    if any is still on the meta device. ``units``: (the owner's FQN, its unit)."""
-    for _, unit in units:
-        if unit.layout is not None:
+    if any is still on the meta device. ``units``: (the owner's FQN, its unit, its door)."""
+    for _, unit, api in units:
+        if api != "FullyShardedDataParallel":  # FSDP1 adopts nothing
             adopt(unit)
-    for fqn, unit in units:
+    for fqn, unit, api in units:
         meta = [f"{fqn}.{p.fqn}" if fqn else p.fqn for p in unit.params if p.sharded.is_meta]
         if meta:
             raise RuntimeError(
-                "fully_shard: FSDP parameters should be materialized from meta device before "
+                f"{api}: FSDP parameters should be materialized from meta device before "
                 f"training, but the following were still on meta device: {meta}\nFor example, "
                 "call module.to_empty(device=...) to materialize them and module."
                 "reset_parameters() on each module to initialize values."

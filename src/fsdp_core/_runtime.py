@@ -3,8 +3,9 @@
 An :class:`FSDPState` drives one :class:`~fsdp_core._unit.FSDPUnit` (or none, when the module
 owns no parameters) through a training step. The front door calls :meth:`FSDPState.pre_forward`
 and :meth:`FSDPState.post_forward` around the module's forward (the wrapper from its
-``forward``; a ``fully_shard`` door would register them as module forward hooks); everything in
-backward is driven by autograd hooks the state registers itself:
+``forward``, the composable door from the forward pre-hook and hook it registers on the
+module, see ``_composable/_fsdp_module.ForwardHooks``); ``fsdp_core.debug.suspend_hooks``
+switches both off. Everything in backward is driven by autograd hooks the state registers itself:
 
 - pre-backward: a hook on each forward output that requires grad unshards the unit when the
   gradient reaches it (and prefetches under ``BACKWARD_PRE``);
@@ -45,7 +46,6 @@ __all__ = [
     "FSDPState",
     "RuntimeConfig",
     "clean_fqn",
-    "set_order_tags",
     "state_of",
     "states_in",
 ]
@@ -142,13 +142,16 @@ class FSDPState:
         self._final_callback_queued = False  # root only
         self._hooked_params: set[ShardedParam] = set()  # with a post-accumulate-grad hook
         # Whether the unit's collectives carry order tags; off only to measure their cost (see
-        # ``set_order_tags``).
+        # ``fsdp_core.debug.set_order_check``).
         self.tag_collectives = True
         self.unshard_in_backward = True  # False: backward needs no parameters (embeddings)
         # Root only (FSDP2's iteration controls): whether the coming backward ends the step,
         # and a CUDA event the next forward's all-gathers wait on instead of the stream.
         self.is_last_backward = True
         self.post_optim_event: torch.cuda.Event | None = None
+        # While True the door's forward hooks pass everything through; see
+        # ``fsdp_core.debug.suspend_hooks``.
+        self.hooks_suspended = False
         self._register_post_backward_hooks()
 
     @property
@@ -193,8 +196,8 @@ class FSDPState:
                 # See [Note: order check].
                 state.unit.order_tags = order.checker.for_unit(index)
         # See [Note: replaced parameters] in _replaced.
-        adopt_at_lazy_init([(s.fqn, s.unit) for s in states if s.unit is not None])
         validate_offloaded_devices([s.unit for s in states if s.unit is not None])
+        adopt_at_lazy_init([(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None])
         for state in states:
             buffer_dtype = state.config.buffer_dtype
             if buffer_dtype is not None:
@@ -210,6 +213,13 @@ class FSDPState:
             for state in states:
                 if state.unit is not None:
                     state.unit.streams = self.streams
+
+    def set_order_tags(self, enabled: bool) -> None:
+        """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""
+        self.tag_collectives = enabled
+        unit, order = self.unit, self.exec_order
+        if unit is not None and order is not None:  # else lazy init reads ``tag_collectives``
+            unit.order_tags = order.checker.for_unit(order.index(self)) if enabled else None
 
     # ------------------------------------------------------------------ forward
     def pre_forward(
@@ -483,27 +493,6 @@ class FSDPState:
         if self.root is None:
             raise AssertionError(f"[rank {self._rank}] FSDP state used before lazy init")
         return self.root
-
-
-def set_order_tags(module: nn.Module, *, enabled: bool) -> None:
-    """For measurement only: turn the in-payload order check of ``module``'s FSDP tree on or off.
-
-    ``benchmarks/core_vs_fsdp2.py --order-check-cost`` steps a copy of the model with the check
-    off next to one with it on to measure what the check costs. Training with it off loses the
-    protection of [Note: order check] after the first iteration. Call it between steps, on
-    every rank alike (the tags change the collectives' sizes).
-
-    Args:
-        module: an FSDP instance or a module containing some.
-        enabled: ``True`` (the default state) tags every unit collective, ``False`` none.
-    """
-    for state in states_in(module):
-        state.tag_collectives = enabled
-        unit, order = state.unit, state.exec_order
-        if unit is None or order is None:
-            continue  # lazy init has not run yet: it reads ``tag_collectives``
-        index = order.index(state)
-        unit.order_tags = order.checker.for_unit(index) if enabled else None
 
 
 def clean_fqn(name: str) -> str:

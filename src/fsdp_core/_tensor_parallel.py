@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["local_grad", "sharded_mesh_and_placements", "tp_spec_of", "unsharded_param"]
+__all__ = ["local_grad", "sharded_layout", "tp_spec_of", "unsharded_param"]
 
 
 def tp_spec_of(param: torch.Tensor, fsdp_mesh: Any) -> Any:
@@ -49,11 +49,18 @@ def tp_spec_of(param: torch.Tensor, fsdp_mesh: Any) -> Any:
     return spec
 
 
-def sharded_mesh_and_placements(
-    fsdp_mesh: Any, fsdp_placements: tuple[Any, ...], dim: int, tp_spec: Any
+def sharded_layout(
+    mesh: Any, placements: tuple[Any, ...], dim: int, tp_spec: Any
 ) -> tuple[Any, tuple[Any, ...]]:
-    """The mesh and placements of the sharded ``DTensor``: see [Note: tensor-parallel
-    parameters]. ``fsdp_placements`` are the data-parallel ones, sharding on ``dim``."""
+    """The mesh and placements of the sharded ``DTensor``: the data-parallel ``mesh`` and
+    ``placements`` with the last one sharding on ``dim``, and a tensor-parallel parameter's own
+    mesh dims and placements after them (see [Note: tensor-parallel parameters])."""
+    from torch.distributed.tensor import Shard
+
+    fsdp_mesh = mesh
+    fsdp_placements = placements if dim == 0 else (*placements[:-1], Shard(dim))
+    if tp_spec is None:
+        return fsdp_mesh, fsdp_placements
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import _StridedShard
 

@@ -1,7 +1,8 @@
 """The unit: the parameters one fully sharded module owns, with one unshard/reshard pair.
 
 A unit knows nothing about hooks, roots or execution order (``_runtime`` drives it), so both
-front doors (the ``FullyShardedDataParallel`` wrapper and ``fully_shard``) share it.
+front doors (the ``FullyShardedDataParallel`` wrapper and ``fully_shard``/``replicate``) share
+it.
 Test helpers patch :meth:`FSDPUnit.unshard`, :meth:`FSDPUnit.reshard` and
 :meth:`FSDPUnit.post_backward` by name on the class; the runtime always calls them through the
 instance so such patches see every call.

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from fsdp_core import MixedPrecisionPolicy, fully_shard
+from fsdp_core import MixedPrecisionPolicy, fully_shard, unit_views
 from fsdp_core.graph import trace_train_step
 
 
@@ -114,6 +114,12 @@ def test_shard_placement_fn_rules_are_fsdp2s(rank, process_group):
     mesh = _mesh(process_group)
     model = fully_shard(nn.Linear(4, 6), mesh=mesh, shard_placement_fn=lambda p: Shard(-1))
     assert model.weight.placements == (Shard(1),) and model.bias.placements == (Shard(0),)
+    # fsdp_core.unit_views counts rows along the shard dim.
+    weight, bias = unit_views(model)[0].params
+    assert (weight.shard_dim, weight.padded_rows, weight.start_row) == (1, 2, 2 * rank)
+    assert weight.local_shape == (6, 2) == tuple(model.weight.to_local().shape)
+    assert weight.local_rows == 2 and weight.padding_numel == 0
+    assert (bias.shard_dim, bias.local_shape) == (0, (3,))
     model = fully_shard(nn.Linear(4, 6), mesh=mesh, shard_placement_fn=lambda p: None)
     assert model.weight.placements == (Shard(0),)
     with pytest.raises(AssertionError, match=r"fully_shard: Shard dim 1 is invalid for 1D"):

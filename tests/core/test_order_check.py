@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_core import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, events
+from fsdp_core import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, events, unit_views
 from fsdp_core._order_check import (
     GATHER_TAG_NUMEL,
     TagOp,
@@ -24,7 +24,7 @@ from fsdp_core._order_check import (
     write_gather_tag,
     write_reduce_tag,
 )
-from fsdp_core._runtime import set_order_tags
+from fsdp_core.debug import set_order_check
 from fsdp_core.wrap import ModuleWrapPolicy
 
 SWAP_AT = 3  # the iteration in which one rank swaps two units
@@ -233,10 +233,10 @@ def test_divergence_inside_a_subgroup_names_global_ranks(rank, process_group):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_set_order_tags_off_sends_the_data_only(rank, process_group):
+def test_set_order_check_off_sends_the_data_only(rank, process_group):
     """The measurement switch: with the tags off, each collective moves the data alone (the
     bytes of the check's cost), and a swap after the first iteration goes unnoticed; on again,
-    the tags are back."""
+    the tags are back. The units' views say which."""
     data_bytes = {"": (2 * 4 + 2) * 4, "a": (4 * 4 + 4) * 4, "b": (4 * 4 + 4) * 4}
 
     def gathered_bytes(model: nn.Module) -> dict[str, int]:
@@ -248,11 +248,15 @@ def test_set_order_tags_off_sends_the_data_only(rank, process_group):
         }
 
     model = _wrap_two_units(process_group)
-    set_order_tags(model, enabled=False)  # before lazy init
+    assert {v.order_check for v in unit_views(model)} == {True}
+    set_order_check(model, enabled=False)  # before lazy init
+    assert {v.order_check for v in unit_views(model)} == {False}
     assert gathered_bytes(model) == data_bytes
-    set_order_tags(model, enabled=True)  # after it
+    set_order_check(model, enabled=True)  # after it
     assert gathered_bytes(model) == {u: b + 2 * 2 * 4 for u, b in data_bytes.items()}
-    set_order_tags(model, enabled=False)
+    with pytest.raises(TypeError, match=r"set_order_check\(enabled=...\) takes a bool, got 0"):
+        set_order_check(model, enabled=0)  # type: ignore[arg-type]
+    set_order_check(model, enabled=False)
     model.module.swap = rank == 1
     _forward_backward(model, 1)  # same sizes: nothing notices; this is what the tags catch
 

@@ -185,6 +185,6 @@ def test_an_unsupported_option_names_the_engine_that_refused_it(engine, api) -> 
     from fsdp_testing.engines import get_engine
 
     with pytest.raises(NotImplementedError, match=rf"^engine '{engine}' \({api}\) does not"):
-        type(get_engine(engine))._fully_shard_kwargs(
+        get_engine(engine)._fully_shard_kwargs(  # type: ignore[attr-defined]
             {"backward_prefetch": BackwardPrefetch.BACKWARD_POST}
         )

@@ -21,6 +21,7 @@ from fsdp_testing.common_distributed import (
     requires_gloo,
     requires_world_size,
     skip_if_no_gpu,
+    skip_if_odd_worldsize,
     skip_if_rocm_multiprocess,
 )
 from fsdp_testing.common_utils import (
@@ -240,6 +241,32 @@ def test_requires_world_size_sets_the_world() -> None:
 
     assert get_required_world_size(Case("test_x"), 2) == 3
     assert get_required_world_size(Case("test_y"), 2) == 2
+
+
+def test_world_checks_on_the_rank_see_the_world_the_test_got(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The unittest classes enter ``world.in_test_world`` around a method on each rank; the
+    rank-side decorators read it (outside one, ``$WORLD_SIZE``, as torch's do)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ran: list[int] = []
+    body = skip_if_odd_worldsize(lambda: ran.append(1))
+    assert world.running_world_size() is None
+    body()  # no world known: nothing to check
+    with world.in_test_world(3):
+        assert world.running_world_size() == 3
+        with pytest.raises(unittest.SkipTest, match=r"odd world size.*\(world size 3\)"):
+            body()
+        with world.in_test_world(2):
+            body()
+        assert world.running_world_size() == 3
+    assert world.running_world_size() is None and ran == [1, 1]
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(unittest.SkipTest):
+        body()
+    with pytest.raises(ValueError, match="in_test_world must be a positive number of ranks"):
+        with world.in_test_world(0):
+            pass
 
 
 def test_keyword_alias_accepts_one_name_only() -> None:

@@ -250,10 +250,12 @@ def attach(
         m.__dict__["_fsdp_forward_hooks"] = hooks
         m.__dict__[API_KEY] = api
         m.__class__ = _fsdp_class(type(m), prefix)
-        m.register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True)
-        m.register_forward_hook(hooks.post)
+        hooks.handles += [
+            m.register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True),
+            m.register_forward_hook(hooks.post),
+            m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, state)),
+        ]
         m.__dict__["_fsdp_make_unit"] = make_unit
-        m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, state))
 
 
 def _fsdp_class(cls: type, prefix: str) -> type:

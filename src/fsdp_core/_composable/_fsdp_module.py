@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._post_forward import PostForwardShards, post_forward_group
 from .._reduce import AllReduceHook
@@ -24,6 +25,7 @@ __all__ = [
     "ForwardHooks",
     "UnshardHandle",
     "api_of",
+    "hooks_of",
     "load_full_tensors_hook",
     "register_fsdp_forward_method",
     "resolve_reshard_after_forward",
@@ -38,6 +40,12 @@ API_KEY = "_fsdp_api"
 def api_of(module: nn.Module) -> str:
     """``"fully_shard"`` or ``"replicate"``: the door that gave ``module`` its state."""
     return str(module.__dict__.get(API_KEY, "fully_shard"))
+
+
+def hooks_of(module: nn.Module) -> ForwardHooks | None:
+    """The forward hooks the composable door gave ``module``, or ``None``."""
+    hooks = module.__dict__.get("_fsdp_forward_hooks")
+    return hooks if isinstance(hooks, ForwardHooks) else None
 
 
 class UnshardHandle:
@@ -273,17 +281,26 @@ class ForwardHooks:
     root's forward (``head`` per chunk) is a forward of the unit by itself: unshard, run,
     reshard, and its backward reduces what it produced. Every module of a group casts its
     inputs and outputs by the unit's ``mp_policy``.
+
+    ``handles`` are the door's hooks on the modules (forward pre-hook, forward hook,
+    load-state-dict pre-hook, per module). While the state's hooks are suspended
+    (``fsdp_core.suspend_hooks``) both hooks pass everything through: a switch rather than
+    removing them through the handles, so that they keep their place among the user's hooks on
+    the same modules.
     """
 
     def __init__(self, state: FSDPState, modules: list[nn.Module]) -> None:
         self.state = state
         self.modules = modules
+        self.handles: list[RemovableHandle] = []
         self._remaining: set[int] = set()
         self._depth: dict[int, int] = {}
 
     def pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.state.hooks_suspended:
+            return args, kwargs
         if self.state.training_state is TrainingState.PRE_BACKWARD:
             return self.state.pre_forward(args, kwargs)  # a recompute inside backward
         if not self._remaining:
@@ -301,6 +318,8 @@ class ForwardHooks:
         return args, kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.state.hooks_suspended:
+            return output
         if self.state.training_state is TrainingState.PRE_BACKWARD:
             return self.state.post_forward(output)
         depth = self._depth.get(id(module), 0) - 1

@@ -124,6 +124,7 @@ def fully_shard(
         input_dtype=param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
         cast_inputs_always=True,  # as FSDP2
+        api="fully_shard",
     )
     attach("fully_shard", modules, FSDPState(modules[0], unit, config), make_unit, "FSDP")
     return module

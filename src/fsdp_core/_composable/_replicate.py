@@ -106,6 +106,7 @@ def replicate(
         input_dtype=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
         cast_inputs_always=True,  # as FSDP2
+        api="replicate",
     )
     attach("replicate", modules, FSDPState(modules[0], unit, config), make_unit, "Replicate")
     return module

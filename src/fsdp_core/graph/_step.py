@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -12,9 +11,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import events
+from . import _meta
 from ._observed import ObservedRun
 from ._trace import trace_joint_graph
-from ._units import GraphParam, find_units
+from ._units import GraphParam, GraphUnit, find_units
 
 __all__ = ["TrainStep", "trace_train_step"]
 
@@ -27,7 +27,8 @@ class TrainStep:
     ``step.gm`` is the joint graph (inputs: the parameters' local shards, then the batch;
     outputs: the loss, then each parameter's gradient shard). Calling ``step(*batch)`` runs it,
     returns the loss and accumulates the gradients into the sharded parameters' ``.grad`` as
-    eager ``fully_shard`` does. Build one with :func:`trace_train_step`.
+    eager ``fully_shard`` does. ``step.units`` are the units the graph gathers and reduces,
+    outermost first. Build one with :func:`trace_train_step`.
     """
 
     def __init__(
@@ -41,9 +42,20 @@ class TrainStep:
         self.passes = passes
         self._params = tuple(params)
         self._batch_specs = tuple((tuple(t.shape), t.dtype) for t in example_batch)
+        self.units: tuple[GraphUnit, ...] = ()  # set by trace_train_step
         # Set by trace_train_step: each unit's group by name, each unit's parameter count.
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._unit_params: dict[str, int] = {}
+
+    def gathers_per_unit(self) -> dict[str, int]:
+        """How many all-gathers ``gm`` issues for each unit (by FQN, ``""`` for the root); a
+        bucketed all-gather counts once for every unit it serves."""
+        counts = {unit.fqn: 0 for unit in self.units}
+        for node in self.gm.graph.nodes:
+            if _meta.is_all_gather(node):
+                for name in _meta.unit_names(node):
+                    counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def with_passes(self, *passes: GraphPass) -> TrainStep:
         """A new ``TrainStep`` over ``gm`` transformed by ``passes`` in order (this one is
@@ -60,6 +72,7 @@ class TrainStep:
             names.append(getattr(graph_pass, "__name__", None) or repr(graph_pass))
         step = TrainStep(gm, self._params, [], tuple(names))
         step._batch_specs = self._batch_specs
+        step.units = self.units
         step._unit_params = self._unit_params
         step._groups = self._groups
         return step
@@ -147,10 +160,7 @@ def trace_train_step(
     units = find_units("trace_train_step", model)
     gm, params = trace_joint_graph(model, units, loss_fn, example_batch)
     step = TrainStep(gm, params, example_batch)
+    step.units = tuple(units)
     step._unit_params = {unit.fqn: len(unit.params) for unit in units}
     step._groups = {unit.group.group_name: unit.group for unit in units}
     return step
-
-
-def apply_passes(gm: torch.fx.GraphModule, passes: Sequence[GraphPass]) -> torch.fx.GraphModule:
-    return functools.reduce(lambda g, p: p(g), passes, gm)

@@ -2,8 +2,11 @@
 
 [Note: tracing a fully_shard model]
 The door's own hooks gather parameters with in-place collectives and drive the autograd engine
-with callbacks, which a tracer cannot record. While tracing, graph mode switches every module's
-hooks off and installs its own: a forward pre-hook on each unit module gathers the unit's
+with callbacks, which a tracer cannot record. While tracing, graph mode switches the door's
+forward hooks off (``doors_suspended`` in ``_units``; every other hook on the model, the user's
+own, keeps running and is traced like the rest of the step) and installs its own through
+handles it removes afterwards: a forward pre-hook on each unit module, ahead of the others,
+gathers the unit's
 ``Shard(0)`` local shards with one functional all-gather (copy-in: each shard padded to
 ``ceil(rows / world)`` rows and flattened; copy-out: each rank's block split per parameter and
 cut back to the full rows) and puts the full tensors in the module in place of the DTensors;
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,22 +32,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils.hooks import RemovableHandle
 
 from . import _meta, _motion
-from ._units import GraphParam, GraphUnit
+from ._units import GraphParam, GraphUnit, doors_suspended
 
 __all__ = ["trace_joint_graph"]
 
 _OPS = torch.ops._c10d_functional
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
 _DATA_DEPENDENT = (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -176,28 +170,31 @@ class _Tracer:
     # -- hooks in place while tracing -----------------------------------------------------------
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        saved = {
-            (module, attr): getattr(module, attr)
-            for module in self.model.modules()
-            for attr in _HOOK_DICTS
-        }
         params = {
             (module, key): module._parameters[key]
             for registrations in self.registrations.values()
             for module, key in registrations
         }
+        handles: list[RemovableHandle] = []
         try:
-            for module, attr in saved:
-                setattr(module, attr, OrderedDict())
-            for name, module in self.model.named_modules():
-                module.register_forward_pre_hook(self._enter(name))
-                module.register_forward_hook(self._leave)
-            for unit in self.units:
-                unit.module.register_forward_pre_hook(self._unit_pre_forward(unit))
-            yield
+            with doors_suspended("trace_train_step", self.model):
+                for name, module in self.model.named_modules():
+                    handles += [
+                        module.register_forward_pre_hook(self._enter(name), prepend=True),
+                        module.register_forward_hook(self._leave),
+                    ]
+                for unit in self.units:
+                    # Registered last with prepend: the first to run, so that every other
+                    # pre-hook of the module already sees the gathered parameters.
+                    handles.append(
+                        unit.module.register_forward_pre_hook(
+                            self._unit_pre_forward(unit), prepend=True
+                        )
+                    )
+                yield
         finally:
-            for (module, attr), hooks in saved.items():
-                setattr(module, attr, hooks)
+            for handle in handles:
+                handle.remove()
             for (module, key), param in params.items():
                 module._parameters[key] = param
 

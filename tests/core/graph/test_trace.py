@@ -119,6 +119,54 @@ def test_torch_fsdp2_sharded_model_traces_to_the_same_step(rank, process_group) 
         assert torch.equal(_local(mine.grad), _local(other.grad))
 
 
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("door", ["fsdp_core", "torch"])
+def test_user_hooks_run_while_tracing_and_are_part_of_the_step(rank, process_group, door):
+    """The door's forward hooks are off while tracing, the user's are not: a forward pre-hook
+    and a forward hook that change a block's input and output are traced into the step, which
+    then equals eager mode with the same hooks; afterwards the door's hooks work again."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = DeviceMesh.from_group(process_group, "cpu")
+    shard = fully_shard if door == "fsdp_core" else torch_fully_shard
+    calls: list[str] = []
+
+    def build() -> tuple[nn.Module, Callable, tuple]:
+        model, loss_fn, batch = _mlp_stack(mesh, rank, shard)
+        model[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        model[1].register_forward_hook(lambda m, args, out: calls.append("post") or out + 1)
+        return model, loss_fn, batch
+
+    eager, loss_fn, batch = build()
+    traced, _, _ = build()
+    expected = loss_fn(eager, *batch)
+    expected.backward()
+    calls.clear()
+    step = trace_train_step(traced, loss_fn, batch)
+    assert calls == ["post"]  # ran once, while tracing
+    assert torch.equal(step(*batch), expected.detach())
+    assert calls == ["post"]  # a Python side effect is not part of the graph
+    for want, have in zip(eager.parameters(), traced.parameters(), strict=True):
+        assert torch.equal(_local(want.grad), _local(have.grad))
+    # The door's own hooks are back: an eager step gathers and reduces as before.
+    for param in traced.parameters():
+        param.grad = None
+    assert torch.equal(loss_fn(traced, *batch), expected.detach())
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_torch_unit_of_several_modules_is_refused_by_name(rank, process_group) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = DeviceMesh.from_group(process_group, "cpu")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    torch_fully_shard([model[0], model[1]], mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    with pytest.raises(NotImplementedError, match=r"torch's FSDP2 forward hooks of units \['0'"):
+        trace_train_step(model, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
+    model(torch.randn(2, 4)).sum().backward()  # its hooks were left as they were
+
+
 class _Blocks(nn.Sequential):
     def __init__(self, count: int, dim: int, *, bias: bool = True) -> None:
         super().__init__(
@@ -146,6 +194,9 @@ def test_reshard_after_forward_gathers_twice_and_lowers_the_peak(rank, process_g
     # Block 0's backward reads no parameter of its own (the batch needs no gradient, so only
     # dW0 = dy^T x is computed): nothing to gather again. Every later block is gathered twice.
     assert gathers == {"0": 1, **{str(i): 2 for i in range(1, blocks)}}
+    assert resharded.gathers_per_unit() == gathers
+    assert step.gathers_per_unit() == {str(i): 1 for i in range(blocks)}
+    assert [unit.fqn for unit in resharded.units] == [str(i) for i in range(blocks)]
     unit_bytes = dim * dim * 4
     before, _ = peak_memory(step.gm)
     after, _ = peak_memory(resharded.gm)

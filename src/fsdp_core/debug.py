@@ -1,0 +1,74 @@
+"""Switches for tools, benchmarks and debugging that change how the engine runs a model.
+
+- :func:`suspend_hooks`: the doors' forward hooks pass everything through, for a tool that runs
+  the model's forward its own way (graph mode's tracer gathers the parameters itself).
+- :func:`set_order_check`: the in-payload order check on or off, to measure what it costs.
+
+Neither is needed to train; both act on every FSDP instance of a model, of either door.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+from ._runtime import states_in
+from .api import TrainingState
+
+__all__ = ["set_order_check", "suspend_hooks"]
+
+
+@contextlib.contextmanager
+def suspend_hooks(module: nn.Module) -> Iterator[None]:
+    """Within the block the forward hooks of every FSDP instance in ``module``'s tree pass
+    everything through: no unshard, reshard, input or output cast, and no backward hook is
+    installed; the modules compute on the parameters they show (between steps: the local
+    shards). Hooks anyone else registered on the same modules keep running, in their order.
+
+    The composable door keeps its hooks registered (their handles are the door's) and switches
+    them off, so they keep their place among the user's hooks; the wrapper's ``forward`` calls
+    the wrapped module directly. Enter it between training steps; blocks nest.
+
+    Args:
+        module: a model sharded by either door, or a module containing some.
+
+    Raises:
+        RuntimeError: an instance is inside a forward or backward.
+    """
+    states = states_in(module)
+    busy = [s.fqn or "<root>" for s in states if s.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(
+            f"fsdp_core.debug.suspend_hooks: FSDP instances {busy} are inside a forward or "
+            "backward; enter it between training steps."
+        )
+    entered = [s for s in states if not s.hooks_suspended]  # an outer block keeps the others
+    for state in entered:
+        state.hooks_suspended = True
+    try:
+        yield
+    finally:
+        for state in entered:
+            state.hooks_suspended = False
+
+
+def set_order_check(module: nn.Module, *, enabled: bool) -> None:
+    """Turn the order check of every FSDP instance in ``module``'s tree on (the default) or off.
+
+    Each unit collective carries an order tag that every rank compares after it (see "Order
+    checks" in docs/core.md): a divergence in any iteration raises instead of training on
+    wrong numbers. Off, the collectives are a few elements shorter and unchecked after the
+    first iteration (whose index check stays). For measurement: ``benchmarks/core_vs_fsdp2.py
+    --order-check-cost`` steps a model with it off next to one with it on. Call it between
+    steps, on every rank alike (the tags change the collectives' sizes).
+
+    Args:
+        module: a model sharded by either door, or a module containing some.
+        enabled: ``True`` tags every unit collective, ``False`` none.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_order_check(enabled=...) takes a bool, got {enabled!r}.")
+    for state in states_in(module):
+        state.set_order_tags(enabled)
