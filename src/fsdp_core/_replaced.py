@@ -29,13 +29,44 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from ._param import local_tensor
+from ._param import ParamSpec, ShardedParam, local_tensor
 
 if TYPE_CHECKING:
     from ._unit import FSDPUnit
 
-__all__ = ["adopt", "adopt_at_lazy_init"]
+__all__ = ["adopt", "adopt_at_lazy_init", "mark_taken", "refuse_unowned_shared", "taken"]
+
+_TAKEN = "_fsdp_taken_by"
+
+
+def mark_taken(specs: list[ParamSpec], unit: FSDPUnit) -> None:
+    """Mark each original parameter in ``specs`` as taken by its ``ShardedParam`` in ``unit``
+    (see [Note: shared parameters] in ``_composable/_shared``)."""
+    for spec, sharded in zip(specs, unit.params, strict=True):
+        setattr(spec.param, _TAKEN, sharded)
+
+
+def taken(param: nn.Parameter) -> bool:
+    """Whether a unit already took this original parameter."""
+    return isinstance(getattr(param, _TAKEN, None), ShardedParam)
+
+
+def refuse_unowned_shared(root: nn.Module) -> None:
+    """At the root's lazy init: raise FSDP2's error (``ValueError``) if a module still shows an
+    original parameter that a unit took: its user got no common sharded ancestor with that
+    unit's modules, so it would compute with a copy that never trains. See [Note: shared
+    parameters] in ``_composable/_shared``."""
+    for name, param in root.named_parameters(remove_duplicate=False):
+        if taken(param):
+            raise ValueError(
+                f"fully_shard: Parameter '{name}' is shared with a parameter already managed by "
+                f"another FSDP group ({getattr(param, _TAKEN).fqn!r}). Call fully_shard on a "
+                "module enclosing all its users as well (the root, usually: fsdp_core then "
+                "moves it into that unit), or use fully_shard([module_a, module_b]) to place "
+                "them in the same FSDP group."
+            )
 
 
 def adopt(unit: FSDPUnit) -> None:

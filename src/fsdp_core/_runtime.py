@@ -36,7 +36,7 @@ from ._exec_order import ExecOrder
 from ._offload import validate_offloaded_devices
 from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
-from ._replaced import adopt_at_lazy_init
+from ._replaced import adopt_at_lazy_init, refuse_unowned_shared
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
 from .api import BackwardPrefetch, TrainingState, default_state_dict_settings
@@ -198,6 +198,7 @@ class FSDPState:
         # See [Note: replaced parameters] in _replaced.
         validate_offloaded_devices([s.unit for s in states if s.unit is not None])
         adopt_at_lazy_init([(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None])
+        refuse_unowned_shared(self.owner)
         for state in states:
             buffer_dtype = state.config.buffer_dtype
             if buffer_dtype is not None:

@@ -94,15 +94,9 @@ class FSDPUnit:
 
         first = specs[0].param
         self.dtype = first.dtype  # of the sharded parameters
-        mixed = [
-            s.fqn for s in specs if (s.param.dtype, s.param.device) != (self.dtype, first.device)
-        ]
-        if mixed:
-            raise ValueError(
-                f"FullyShardedDataParallel needs one dtype and device per unit, but {mixed} differ "
-                f"from {specs[0].fqn} ({self.dtype}, {first.device}). Cast the module with "
-                ".to(dtype, device) before wrapping, or wrap those submodules separately."
-            )
+        if any((s.param.dtype, s.param.device) != (self.dtype, first.device) for s in specs):
+            # Each door checks it first, naming itself (``_init.validate_uniform``).
+            raise AssertionError(f"[rank {dist.get_rank()}] a unit needs one dtype and device")
         self.device = compute_device if compute_device is not None else first.device
         self.precision = precision or UnitPrecision.resolve(None, self.dtype)
         if self.precision.orig_dtype != self.dtype:

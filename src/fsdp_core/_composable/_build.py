@@ -215,6 +215,9 @@ def unit_factory(
 
     def make_unit(specs: list[ParamSpec]) -> FSDPUnit:
         specs = place_params("fully_shard", specs, shard_placement_fn, mesh, groups.shard_size)
+        _init.validate_uniform(
+            "replicate" if replicate else "fully_shard", specs, frozen_may_differ=True
+        )
         precision = UnitPrecision.resolve(
             MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
             specs[0].param.dtype,

@@ -16,20 +16,13 @@ from typing import Any
 
 from torch import nn
 
+from .._init import ValueAssertionError
 from .._param import ParamSpec, local_tensor
 
 __all__ = ["ShardPlacementFn", "ValueAssertionError", "place_params", "validate_params"]
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
 """``shard_placement_fn``: a parameter -> ``Shard(dim)``, or ``None`` for ``Shard(0)``."""
-
-
-class ValueAssertionError(ValueError, AssertionError):
-    """A user mistake for which torch's FSDP2 raises ``AssertionError``.
-
-    It is a ``ValueError`` (this project's type for bad input) and an ``AssertionError`` (what
-    code written against torch's ``fully_shard`` catches).
-    """
 
 
 def validate_params(api: str, specs: list[ParamSpec]) -> None:
