@@ -45,6 +45,7 @@ import time
 import traceback
 import unittest
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 MIRRORED = ("common_fsdp", "common_distributed", "common_utils")
@@ -52,10 +53,94 @@ _IMPORT = re.compile(r"\btorch\.testing\._internal\.(" + "|".join(MIRRORED) + r"
 _FROM_PACKAGE = re.compile(r"from torch\.testing\._internal import (" + "|".join(MIRRORED) + r")\b")
 
 
-def port_source(source: str) -> str:
-    """The file with its imports of torch's three harness modules pointed at fsdp_testing."""
+def port_source(source: str, *, engine: str | None = None) -> str:
+    """The file with its imports of torch's three harness modules pointed at fsdp_testing, and
+    with ``engine="fsdp_core"`` its FSDP2 imports pointed at fsdp_core too (see
+    :func:`map_fsdp2_imports`)."""
     ported = _IMPORT.sub(lambda m: f"fsdp_testing.{m.group(1)}", source)
-    return _FROM_PACKAGE.sub(lambda m: f"from fsdp_testing import {m.group(1)}", ported)
+    ported = _FROM_PACKAGE.sub(lambda m: f"from fsdp_testing import {m.group(1)}", ported)
+    ported = _rewrite_from_imports(ported, _names_the_mirror_lacks)
+    return _rewrite_from_imports(ported, _fsdp2_names) if engine == "fsdp_core" else ported
+
+
+def _names_the_mirror_lacks(module: str, names: list[str]) -> tuple[str, list[str]] | None:
+    """Names imported from a mirror module that it does not define (torch's utilities that are
+    not harness machinery, e.g. ``device_sleep``): they stay torch's."""
+    mirrored = module.removeprefix("fsdp_testing.")
+    if mirrored == module or mirrored not in MIRRORED:
+        return None
+    mirror = importlib.import_module(module)
+    return f"torch.testing._internal.{mirrored}", [n for n in names if not hasattr(mirror, n)]
+
+
+def _fsdp2_names(module: str, names: list[str]) -> tuple[str, list[str]] | None:
+    """torch's FSDP2 public names, taken from fsdp_core (``--engine fsdp_core``)."""
+    mapped = _FSDP2_MODULES.get(module)
+    return None if mapped is None else ("fsdp_core", [n for n in names if n in mapped])
+
+
+# torch's FSDP2 public names, by the modules a test file may import them from; with
+# ``--engine fsdp_core`` each becomes fsdp_core's. torch's DDP-based
+# ``torch.distributed._composable.replicate`` is the reference the FSDP2 tests compare
+# against, so it stays torch's; the FSDP2-style one (``replicate_with_fsdp``) is mapped.
+_FSDP2_NAMES = frozenset(
+    {
+        "CPUOffloadPolicy",
+        "DataParallelMeshDims",
+        "FSDPModule",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "UnshardHandle",
+        "fully_shard",
+        "register_fsdp_forward_method",
+        "share_comm_ctx",
+    }
+)
+_FSDP2_MODULES = {
+    "torch.distributed.fsdp": _FSDP2_NAMES,
+    "torch.distributed.fsdp._fully_shard": _FSDP2_NAMES,
+    "torch.distributed.fsdp._fully_shard._fully_shard": _FSDP2_NAMES,
+    "torch.distributed.fsdp._fully_shard._fsdp_api": _FSDP2_NAMES,
+    "torch.distributed._composable.fsdp": _FSDP2_NAMES,
+    "torch.distributed._composable.fsdp.fully_shard": _FSDP2_NAMES,
+    "torch.distributed._composable.replicate_with_fsdp": frozenset({"replicate"}),
+}
+
+
+def _rewrite_from_imports(
+    source: str, choose: Callable[[str, list[str]], tuple[str, list[str]] | None]
+) -> str:
+    """``source`` with the names ``choose(module, names)`` picks out of each ``from module
+    import names`` statement imported from the module it names instead (aliases kept); the other
+    names stay where they were. Statements are rewritten in place, at their indentation."""
+    import ast
+
+    lines = source.splitlines(keepends=True)
+    edits: list[tuple[int, int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom) or node.level or node.module is None:
+            continue
+        chosen = choose(node.module, [a.name for a in node.names])
+        if chosen is None or not chosen[1] or node.end_lineno is None:
+            continue
+        target, picked = chosen
+        first, last = node.lineno - 1, node.end_lineno - 1
+        if lines[first][: node.col_offset].strip() or lines[last][node.end_col_offset :].strip():
+            continue  # shares its line with another statement: leave it alone
+        indent = lines[first][: node.col_offset]
+
+        def statement(module: str, aliases: list[ast.alias], indent: str = indent) -> str:
+            names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in aliases)
+            return f"{indent}from {module} import {names}\n"
+
+        text = statement(target, [a for a in node.names if a.name in picked])
+        rest = [a for a in node.names if a.name not in picked]
+        if rest:
+            text += statement(node.module, rest)
+        edits.append((first, last, text))
+    for first, last, text in sorted(edits, reverse=True):
+        lines[first : last + 1] = [text]
+    return "".join(lines)
 
 
 @dataclasses.dataclass
@@ -121,7 +206,7 @@ def run_file(
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / source.name
     text = source.read_text()
-    target.write_text(port_source(text) if harness == "ours" else text)
+    target.write_text(port_source(text, engine=args.engine) if harness == "ours" else text)
     xml = target.with_suffix(".xml")
     command = [sys.executable, "-m", "pytest", str(target), "-p", "no:cacheprovider"]
     command += ["-p", "no:randomly", f"--junitxml={xml}", "-q", "-rN"]

@@ -3,12 +3,14 @@ data-parallel wrapper, a two-output module and the ``wrap()``-annotated skip mod
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._protocol import ENGINE_ENV
 from ..engines import current_engine
 from ._base import resolve_device
 
@@ -103,7 +105,9 @@ class MLPStack(nn.Sequential):
     ) -> MLPStack:
         """Applies tensor parallelism over ``tp_mesh`` (skipped when ``None``), optional
         activation checkpointing, then FSDP2 ``fully_shard`` over ``dp_mesh`` per block and at
-        the root.
+        the root: torch's, or ``fsdp_core.fully_shard`` when the session's engine is fsdp_core
+        (``--fsdp-engine fsdp_core``, under which ``benchmarks/torch_compat.py`` also points a
+        torch-style body's FSDP2 imports at fsdp_core).
 
         Args:
             tp_mesh: 1D mesh for tensor parallelism, or ``None`` for FSDP only.
@@ -111,7 +115,13 @@ class MLPStack(nn.Sequential):
             use_activation_checkpointing: checkpoint each block.
             fsdp_kwargs: keyword arguments of ``fully_shard``.
         """
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        fully_shard: Any = torch_fully_shard
+        if os.environ.get(ENGINE_ENV, "").startswith("fsdp_core"):
+            from fsdp_core import fully_shard as core_fully_shard
+
+            fully_shard = core_fully_shard
 
         if tp_mesh is not None:
             self._apply_tensor_parallel(tp_mesh)

@@ -27,8 +27,9 @@ transitions (``engine.patch_target``) and the ``torch.distributed`` collectives:
   the unit of its reduce-scatters) are only seen when that forward ran inside a recorder or a
   patch of the post-backward target; its ``summon_full_params`` imports ``_unshard`` by name and
   is not seen at all.
-- ``fsdp_core``'s first iteration also issues one small all-reduce per unit collective to check
-  that ranks agree on the order; it is recorded like any other collective (``unit=""``).
+- Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, ``fsdp_core``'s first iteration also issues one
+  small all-reduce per unit collective to check that ranks agree on the order; it is recorded
+  like any other collective (``unit=""``).
 """
 
 from __future__ import annotations

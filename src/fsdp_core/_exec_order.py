@@ -10,16 +10,22 @@ Prefetching starts in the second iteration, once the order is known.
 
 [Note: order validation]
 If ranks ran units in different orders, their all-gathers would pair up across different units
-and hang or silently mix tensors. During the first iteration, before every collective a unit
-issues (its all-gather or gradient reduction), the ranks of the unit's group all-reduce (MAX) the
-pair ``(code, -code)`` with ``code = 2 * unit_index + op``; if the minimum and maximum differ,
-every rank raises the same error naming the units involved instead of hanging. That costs one
-16-byte all-reduce per unit collective, once, and is the only check that runs *before* a
-collective, so the only one that also catches units of different sizes. In every iteration
-(the first included) each unit collective also carries an order tag in its own payload,
-compared after it completes: see [Note: order check] in ``_order_check``. Later iterations
-also compare the local forward order against the recorded one and warn once on a deviation
-(dynamic control flow is legal as long as all ranks take the same path).
+and hang or silently mix tensors. In every iteration each unit collective carries an order tag
+in its own payload, compared after it completes, at no extra collective: see [Note: order
+check] in ``_order_check``. That cannot help when the units differ in size: the collective
+itself fails first (gloo aborts one rank's process with ``gloo::EnforceNotMet`` and hands the
+other a corrupted buffer; NCCL may hang). With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (the level at
+which torch's FSDP1 checks its execution order the same way) the first iteration also checks
+*before* every collective a unit issues (its all-gather or gradient reduction): the ranks of
+the unit's group all-reduce (MAX) the pair ``(code, -code)`` with ``code = 2 * unit_index +
+op``; if the minimum and maximum differ, every rank raises the same error naming the units
+involved, before the collective. It costs one 16-byte all-reduce per unit collective of the
+first iteration, which is why it is opt-in: by default fsdp_core issues exactly the collectives
+torch's FSDP issues (tests that count them, torch's own included, see the same numbers). Rank-
+dependent control flow usually shows in the first iteration, so a run that aborts inside a
+collective is worth repeating under DETAIL. Later iterations also compare the local forward
+order against the recorded one and warn once on a deviation (dynamic control flow is legal as
+long as all ranks take the same path).
 """
 
 from __future__ import annotations
@@ -67,7 +73,9 @@ class ExecOrder(Generic[FSDPState]):
         self.states = states
         self._index = {id(s): i for i, s in enumerate(states)}
         self.recording = True  # the first forward has not finished
-        self.validating = True  # the first iteration has not finished
+        # The first iteration has not finished and the debug level asks for the check: see
+        # [Note: order validation].
+        self.validating = dist.get_debug_level() == dist.DebugLevel.DETAIL
         self.pre_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
         # The owners (wrapper modules) in post-forward order; the same list on every instance.

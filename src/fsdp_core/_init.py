@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from ._precision import BufferSlot
 
 __all__ = [
     "IsUnit",
+    "ValueAssertionError",
     "collect_buffers",
     "collect_params",
     "device_from_id",
@@ -38,7 +40,17 @@ __all__ = [
     "resolve_ignored",
     "sync_module_states",
     "validate_no_scalars",
+    "validate_uniform",
 ]
+
+
+class ValueAssertionError(ValueError, AssertionError):
+    """A user mistake for which torch's FSDP2 raises ``AssertionError``.
+
+    It is a ``ValueError`` (this project's type for bad input) and an ``AssertionError`` (what
+    code written against torch's ``fully_shard`` catches).
+    """
+
 
 IsUnit = Callable[[nn.Module], bool]
 """Whether a module is (or wraps) a fully sharded module with its own FSDP state."""
@@ -67,11 +79,17 @@ def resolve_ignored(
     """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            f"{api}: pass ignored_modules or ignored_states, not both (got {ignored_modules!r} "
-            f"and {ignored_states!r}). Pass everything as ignored_states."
+            f"{api}: Cannot pass both ignored_modules and ignored_states at the same time (got "
+            f"{ignored_modules!r} and {ignored_states!r}). Pass everything as ignored_states."
         )
     params: list[nn.Parameter] = []
     modules: list[nn.Module] = list(ignored_modules or ())
+    # Torch's FSDP1 raises ValueError with these words for both (types sorted by repr).
+    if not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError(
+            f"{api}: ignored_modules expects nn.Module list elements but got types "
+            f"{_sorted_types(modules)}. Pass parameters as ignored_states=... instead."
+        )
     if ignored_states is not None:
         states = list(ignored_states)
         if all(isinstance(s, nn.Parameter) for s in states):
@@ -79,10 +97,10 @@ def resolve_ignored(
         elif all(isinstance(s, nn.Module) for s in states):
             modules = states  # type: ignore[assignment]
         else:
-            types = sorted({type(s).__name__ for s in states})
-            raise TypeError(
-                f"{api}: ignored_states takes all nn.Parameter or all nn.Module, got types "
-                f"{types}. Pass the modules' parameters instead of mixing both kinds."
+            raise ValueError(
+                f"{api}: ignored_states expects all nn.Parameter or all nn.Module list elements "
+                f"but got types {_sorted_types(states)}. Pass the modules' parameters instead of "
+                "mixing both kinds."
             )
     units = [type(m).__name__ for m in modules if isinstance(m, nn.Module) and is_unit(m)]
     if units:
@@ -92,6 +110,44 @@ def resolve_ignored(
         )
     expanded = expand_ignored(api, modules)
     return expanded, {*params, *(p for m in expanded for p in m.parameters(recurse=False))}
+
+
+def _sorted_types(values: list[Any]) -> list[type]:
+    return sorted({type(v) for v in values}, key=repr)
+
+
+def validate_uniform(api: str, specs: list[ParamSpec], *, frozen_may_differ: bool) -> None:
+    """One dtype and device per unit (one flat shard); raises naming ``api``. With
+    ``frozen_may_differ`` (the composable doors) the message follows FSDP2, which requires one
+    dtype of the parameters that train (``ValueError`` that is also FSDP2's
+    ``AssertionError``) and all-gathers frozen ones of other dtypes, which fsdp_core does not
+    (``NotImplementedError``)."""
+    # Compared with a parameter that trains, so that the frozen ones of other dtypes are named.
+    first = next((s for s in specs if s.param.requires_grad), specs[0])
+    devices = [s.fqn for s in specs if s.param.device != first.param.device]
+    dtypes = [s.fqn for s in specs if s.param.dtype != first.param.dtype]
+    fix = (
+        f"Cast or move the module with .to(dtype, device) before calling {api}, or give "
+        f"those parameters' modules their own {api} call."
+    )
+    if not (devices or dtypes):
+        return
+    if devices or not frozen_may_differ:
+        raise ValueError(
+            f"{api} needs one dtype and device per unit, but {devices or dtypes} differ from "
+            f"{first.fqn} ({first.param.dtype}, {first.param.device}). {fix}"
+        )
+    trainable = {s.param.dtype for s in specs if s.param.requires_grad}
+    if len(trainable) > 1:
+        raise ValueAssertionError(
+            f"{api}: FSDP expects uniform original parameter dtype but got {trainable}. {fix}"
+        )
+    found = sorted({f"{s.fqn} ({s.param.dtype})" for s in specs if s.fqn in dtypes})
+    raise NotImplementedError(
+        f"{api}: parameters of other dtypes than {first.fqn} ({first.param.dtype}) in one "
+        f"unit: {found}. FSDP2 accepts them when they do not train; fsdp_core keeps one dtype "
+        f"per unit. {fix}"
+    )
 
 
 def nested_unit_modules(module: nn.Module, is_unit: IsUnit) -> list[nn.Module]:
@@ -225,7 +281,7 @@ def validate_no_scalars(api: str, specs: list[ParamSpec]) -> None:
     if scalars:
         raise ValueError(
             f"{api} doesn't support scalar parameters {scalars}: they cannot be sharded in dim "
-            "0. Change each to a 1D tensor with numel equal to 1."
+            f"0. Change {', '.join(scalars)} to a 1D tensor with numel equal to 1."
         )
 
 

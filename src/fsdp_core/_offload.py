@@ -1,8 +1,19 @@
 """CPU offload copies: a shard to the compute device before its all-gather, a reduced gradient
-shard back to the host. See [Note: CPU offload] in ``_unit``; each copy is published as an
-``events.OffloadCopy``, also when the compute device is the CPU."""
+shard back to the host; each copy is published as an ``events.OffloadCopy``, also when the
+compute device is the CPU.
+
+[Note: CPU offload]
+With ``CPUOffload(offload_params=True)`` the flat shard buffer (so every sharded parameter and
+the optimizer state built on it) and the sharded gradients live on the CPU, pinned when CUDA is
+available. The unit computes on ``compute_device`` (the parameters' device at wrap time, or
+``device_id``): each unshard copies the flat shard there first, each reduction copies the
+reduced gradient shard back. The copies are made even when the compute device is the CPU, so a
+CPU-only run exercises (and publishes, as ``events.OffloadCopy``) the same steps.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -10,7 +21,32 @@ import torch.distributed as dist
 from . import events
 from ._streams import CudaStreams
 
-__all__ = ["copy_to_device", "copy_to_host"]
+if TYPE_CHECKING:
+    from ._unit import FSDPUnit
+
+__all__ = ["copy_to_device", "copy_to_host", "validate_offloaded_devices"]
+
+
+def validate_offloaded_devices(units: list[FSDPUnit]) -> None:
+    """Offloaded shards must stay on the CPU (the module was not moved after wrapping)."""
+    moved: dict[str, list[str]] = {}
+    for unit in units:
+        if not unit.offload_params:
+            continue
+        for p in unit.params:
+            # ``module.to()`` may move the shard in place or swap in a new Parameter.
+            exposed = [m._parameters[name] for m, name in p.slots]
+            devices = {t.device for t in (p.sharded, *exposed) if t is not None}
+            for device in devices - {torch.device("cpu")}:
+                moved.setdefault(str(device), []).append(p.fqn)
+    if moved:
+        device_types = sorted({torch.device(d).type for d in moved})
+        raise RuntimeError(
+            "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
+            f"{', '.join(device_types)} ({moved}). With CPUOffload(offload_params=True) the "
+            "sharded parameters must stay on the CPU: do not move the module to an "
+            "accelerator after wrapping; pass device_id=... to compute there instead."
+        )
 
 
 def copy_to_device(

@@ -1,21 +1,21 @@
 """Order tags: every unit collective carries a code for (unit, op, iteration) in its payload.
 
 [Note: order check]
-All ranks of a unit's group must issue the same unit collectives in the same order. In the first
-iteration the ranks all-reduce each unit's index before the collective (see [Note: order
-validation] in ``_exec_order``): that is the only way to catch units of *different* sizes, whose
-collectives would otherwise fail inside the backend (gloo aborts the process on a size mismatch,
-NCCL may hang). If ranks diverge later (control flow on rank-local data), units of the *same*
-size would all-gather each other's shards and training would go on with wrong numbers, so from
-the first iteration on every tagged collective also carries a code in its own payload, compared
-after the collective: no extra collective, in any iteration.
+All ranks of a unit's group must issue the same unit collectives in the same order. If they
+diverge (control flow on rank-local data), units of the *same* size would all-gather each
+other's shards and training would go on with wrong numbers, so from the first iteration on every
+tagged collective carries a code in its own payload, compared after the collective: no extra
+collective, in any iteration. Units of *different* sizes make the collective itself fail inside
+the backend (gloo aborts the process on a size mismatch, NCCL may hang); under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the first iteration also compares each unit's index before
+the collective (see [Note: order validation] in ``_exec_order``).
 
 - The code: a 16-bit integer ``iteration mod 4 (2 bits) | op (2 bits) | unit index mod 4096
-  (12 bits)``, the index being the instance's position under the root (as in the first-iteration
-  check) and the iteration the number of root forwards so far. It travels as two base-256
-  digits, each an integer in [0, 255]: exact in fp32, fp16 and bf16 (bf16 has 8 significant
-  bits, so every integer up to 256 is exact). Collectives in a dtype with fewer mantissa bits
-  (fp8) go untagged.
+  (12 bits)``, the index being the instance's position under the root (as in the
+  first-iteration check) and the iteration the number of root forwards so far. It travels as
+  two base-256 digits, each an integer in [0, 255]: exact in fp32, fp16 and bf16 (bf16 has 8
+  significant bits, so every integer up to 256 is exact). Collectives in a dtype with fewer
+  mantissa bits (fp8) go untagged.
 - All-gather: each rank's block (its flat shard) is followed by its two digits, so the output
   holds every rank's code, the same bytes on every rank.
 - Reduction (reduce-scatter, then all-reduce across replicas; see [Note: unit groups] in

@@ -20,7 +20,7 @@ unsharded storage is a separate, freeable buffer in the compute dtype on the com
 filled from the (cast, copied) shard on unshard like a gather from a group of one.
 
 With CPU offload ``sharded`` (and its gradient) lives on the CPU while ``unsharded`` lives on
-the compute device; see [Note: CPU offload] in ``_unit``.
+the compute device; see [Note: CPU offload] in ``_offload``.
 
 Swapping which of the two a module sees is a plain ``module._parameters[name] = ...`` on every
 (module, attribute) slot that referred to the original, which also covers tied parameters.
@@ -28,6 +28,29 @@ Swapping which of the two a module sees is a plain ``module._parameters[name] = 
 ``sharded.requires_grad`` is the source of truth for whether the parameter trains: it is what
 users see (and freeze) between passes, and ``unsharded`` copies it on every switch to the
 unsharded form. See [Note: requires_grad changes after wrapping] in ``_unit``.
+
+[Note: sharding on another dim]
+``fully_shard(shard_placement_fn=...)`` may shard a parameter on a dim ``d > 0`` (a
+``ParamSpec``'s ``shard_dim``); then it must split evenly (``shape[d]`` divisible by the world
+size, as in FSDP2), so nothing is padded. The counts of [Note: sharded and unsharded
+parameters] (``rows``, ``chunk_rows``, ``start_row``, ``valid_rows``) are taken along dim
+``d``: the local shard is ``full.narrow(d, start_row, valid_rows)``, stored contiguously in its
+own shape (``chunk_shape``) in the flat buffer, so the all-gather still sends one flat block
+per rank. Block ``r`` of the gathered output is rank ``r``'s chunk; viewing the unsharded tensor as
+``(*shape[:d], world, chunk_rows, *shape[d + 1:])`` and moving the ``world`` dim to the front
+gives a ``(world, *chunk_shape)`` view of it (``_blocks``), so the copy-out and the
+reduce-scatter input are one strided copy each. For ``d == 0`` that view is the plain
+reshape the dim-0 layout always used. The sharded ``DTensor``'s placement is ``Shard(d)``.
+
+[Note: unreduced gradients]
+Autograd accumulates each backward's gradient into ``unsharded.grad``, in the compute dtype.
+The unit takes it from there when it reduces (:meth:`ShardedParam.take_unreduced_grad`). A
+backward that does not reduce (``no_sync``, ``set_requires_gradient_sync(False)``) leaves it for
+the next one; with mixed precision the two doors differ, as torch's do: the wrapper (FSDP1) keeps
+accumulating in the compute dtype, ``fully_shard`` (FSDP2) moves the gradient into
+``unreduced_grad`` in ``reduce_dtype`` (:meth:`ShardedParam.keep_unreduced_grad`) and adds each
+later backward's gradient there, so a bf16 model with an fp32 ``reduce_dtype`` sums its
+micro-batches in fp32.
 
 [Note: the wrapper's DTensor parameters]
 Both doors show ``sharded`` as a ``DTensor`` (a :class:`DTensorLayout`): the composable door on
@@ -56,12 +79,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ._groups import UnitGroups
+from ._tensor_parallel import local_grad, sharded_layout, tp_spec_of, unsharded_param
 
 __all__ = [
     "DTensorLayout",
     "ParamSpec",
     "ShardedParam",
     "ShardedState",
+    "chunk_shape",
     "is_sharded_param",
     "local_tensor",
 ]
@@ -124,6 +149,12 @@ class ParamSpec:
     fqn: str
     param: nn.Parameter
     slots: tuple[tuple[nn.Module, str], ...]
+    shard_dim: int = 0  # see [Note: sharding on another dim]
+
+
+def chunk_shape(shape: torch.Size, dim: int, world: int) -> tuple[int, ...]:
+    """The shape of one rank's padded chunk of a ``shape`` tensor sharded on ``dim``."""
+    return (*shape[:dim], math.ceil(shape[dim] / world), *shape[dim + 1 :])
 
 
 class ShardedParam:
@@ -145,42 +176,70 @@ class ShardedParam:
         self.layout = layout
         self.fqn = spec.fqn
         self.slots = spec.slots
-        self.full_shape = orig.shape
-        self.rows = orig.shape[0]
-        self.rest = tuple(orig.shape[1:])
+        # A DTensor parameter: its local tensor is sharded. See [Note: tensor-parallel
+        # parameters] in ``_tensor_parallel``.
+        self._tp_spec = tp_spec_of(orig, layout.mesh if layout is not None else None)
+        orig_local = local_tensor(orig)
+        self.full_shape = orig_local.shape  # what the unit shards: the local tensor
+        self.global_shape = orig.shape  # what the sharded DTensor shows
+        dim = self.shard_dim = spec.shard_dim
+        self._mesh: Any = None
+        self._placements: tuple[Any, ...] = ()
+        if layout is not None:
+            self._mesh, self._placements = sharded_layout(
+                layout.mesh, layout.placements, dim, self._tp_spec
+            )
+        # Counted along the shard dim: see [Note: sharding on another dim].
+        self.rows = self.full_shape[dim]
+        self.rest = tuple(self.full_shape[1:])  # the other dims, when sharded on dim 0
         self.chunk_rows = math.ceil(self.rows / shard_world)
-        self.shard_numel = self.chunk_rows * math.prod(self.rest)
+        self.chunk_shape = chunk_shape(self.full_shape, dim, shard_world)
+        self.shard_numel = math.prod(self.chunk_shape)
         self.shard_world = shard_world
         start = shard_rank * self.chunk_rows
         self.start_row = start
         self.valid_rows = max(0, min(self.chunk_rows, self.rows - start))
 
-        self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)  # zero padded
+        self.padded_shard = flat_segment.view(self.chunk_shape)  # zero padded
         with torch.no_grad():
             self.padded_shard.zero_()
-            self.padded_shard[: self.valid_rows].copy_(orig[start : start + self.valid_rows])
-        self.sharded = self._as_parameter(self.padded_shard[: self.valid_rows], orig.requires_grad)
+            self._valid(self.padded_shard).copy_(self._my_rows(orig_local))
+        self.sharded = self._as_parameter(self._valid(self.padded_shard), orig.requires_grad)
         if alias and shard_world != 1:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
         self._aliased = alias
         self.state = ShardedState.SHARDED
-        self._unsharded_padded: torch.Tensor | None  # (chunk_rows * world, *rest)
+        # See [Note: unreduced gradients].
+        self.unreduced_grad: torch.Tensor | None = None  # full shape, in ``reduce_dtype``
+        # The full shape with ``chunk_rows * world`` rows along the shard dim.
+        self._unsharded_padded: torch.Tensor | None
         if alias:
             self._unsharded_padded = None
-            self.unsharded = nn.Parameter(
-                self.padded_shard[: self.valid_rows], requires_grad=orig.requires_grad
-            )
+            local = self._valid(self.padded_shard)
         else:
-            self._unsharded_padded = torch.empty(
-                (self.chunk_rows * shard_world, *self.rest),
-                dtype=compute_dtype,
-                device=compute_device,
-            )
-            self.unsharded = nn.Parameter(
-                self._unsharded_padded[: self.rows], requires_grad=orig.requires_grad
-            )
+            padded = list(self.full_shape)
+            padded[dim] = self.chunk_rows * shard_world
+            self._unsharded_padded = torch.empty(padded, dtype=compute_dtype, device=compute_device)
+            local = self._unsharded_padded.narrow(dim, 0, self.rows)
+        self.unsharded = unsharded_param(local, self._tp_spec, orig.requires_grad)
+        if self._unsharded_padded is not None:
             self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
             self.free_unsharded()
+
+    def _valid(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a padded chunk (``chunk_shape``)."""
+        return padded.narrow(self.shard_dim, 0, self.valid_rows)
+
+    def _my_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor (``full_shape``)."""
+        return full.narrow(self.shard_dim, min(self.start_row, self.rows), self.valid_rows)
+
+    def _blocks(self, padded_full: torch.Tensor) -> torch.Tensor:
+        """``(world, *chunk_shape)`` view of a full tensor padded along the shard dim (see
+        [Note: sharding on another dim])."""
+        d, shape = self.shard_dim, padded_full.shape
+        split = padded_full.view(*shape[:d], self.shard_world, self.chunk_rows, *shape[d + 1 :])
+        return split.movedim(d, 0)
 
     def _as_parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """``local`` (this rank's rows) as the parameter the module shows between passes."""
@@ -208,11 +267,11 @@ class ShardedParam:
         with torch.no_grad():
             return DTensor.from_local(
                 local,
-                self.layout.mesh,
-                self.layout.placements,
+                self._mesh,
+                self._placements,
                 run_check=False,
-                shape=self.full_shape,
-                stride=_contiguous_stride(self.full_shape),
+                shape=self.global_shape,
+                stride=_contiguous_stride(self.global_shape),
             )
 
     def _as_sharded_grad(self, local: torch.Tensor) -> torch.Tensor:
@@ -227,73 +286,127 @@ class ShardedParam:
         return DTensor(local, spec, requires_grad=False)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``full`` (``full_shape``) in the sharded parameter's form."""
-        rows = full.detach()[self.start_row : self.start_row + self.valid_rows]
-        return self._as_sharded_tensor(rows.to(self.padded_shard.device))
+        """This rank's rows of ``full`` (``global_shape``) in the sharded parameter's form."""
+        if self._tp_spec is not None:
+            from torch.distributed.tensor import distribute_tensor
 
-    def rebind(self, flat_segment: torch.Tensor, local: torch.Tensor) -> None:
-        """Move the shard into ``flat_segment`` with the values of ``local`` (this rank's
-        rows, e.g. after ``module.to_empty``) and show the new sharded parameter."""
-        self.padded_shard = flat_segment.view(self.chunk_rows, *self.rest)
+            return distribute_tensor(full.detach(), self._mesh, self._placements)
+        rows = self._my_rows(full.detach()).to(self.padded_shard.device)
+        return self._as_sharded_tensor(rows.contiguous())
+
+    def rebind(self, flat_segment: torch.Tensor, current: torch.Tensor) -> None:
+        """Move the shard into ``flat_segment`` with the values of ``current``, what the module
+        shows now (see [Note: replaced parameters] in ``_replaced``), and show it again."""
+        local = local_tensor(current)
+        rows = self._valid(self.padded_shard)
+        if local.shape != rows.shape and current.shape == self.full_shape == self.global_shape:
+            local = self._my_rows(local)  # a full tensor
+        if local.shape != rows.shape:
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} was replaced by a tensor of shape "
+                f"{tuple(current.shape)} (local {tuple(local.shape)}); give it the full shape "
+                f"{tuple(self.full_shape)}, as a DTensor of the parameter's layout or a full "
+                "tensor."
+            )
+        self.padded_shard = flat_segment.view(self.chunk_shape)
         with torch.no_grad():
             self.padded_shard.zero_()
-            self.padded_shard[: self.valid_rows].copy_(local)
-        self.sharded = self._as_parameter(
-            self.padded_shard[: self.valid_rows], self.sharded.requires_grad
-        )
+            self._valid(self.padded_shard).copy_(local)
+        if self._adoptable(current):
+            # Keep the object the user holds (an optimizer may be built on it), as FSDP2 does.
+            current._local_tensor = self._valid(self.padded_shard)  # type: ignore[attr-defined]
+            current._fsdp_sharded = True  # type: ignore[attr-defined]
+            self.sharded = current  # type: ignore[assignment]
+        else:
+            self.sharded = self._as_parameter(self._valid(self.padded_shard), current.requires_grad)
         if self._aliased:
-            self.unsharded = nn.Parameter(
-                self.padded_shard[: self.valid_rows], requires_grad=self.sharded.requires_grad
-            )
+            # The same Parameter object: autograd hooks are registered on it.
+            self.unsharded.data = self._valid(self.padded_shard)
         self.expose_sharded()
 
-    def current_local(self) -> torch.Tensor:
-        """The local rows of the parameter the module's first slot holds now."""
-        module, name = self.slots[0]
-        current = module._parameters[name]
-        if current is None:
-            raise AssertionError(f"{self.fqn}: the module's slot {name!r} is empty")
-        return local_tensor(current)
+    def _adoptable(self, current: torch.Tensor) -> bool:
+        """Whether ``current`` is a ``DTensor`` parameter with this parameter's layout."""
+        if self.layout is None or not isinstance(current, nn.Parameter):
+            return False
+        spec = getattr(current, "_spec", None)
+        return (
+            spec is not None
+            and tuple(spec.placements) == tuple(self._placements)
+            and spec.mesh == self._mesh
+        )
+
+    def current(self) -> torch.Tensor:
+        """What the module shows for this parameter now: a slot's tensor other than the
+        sharded parameter, if one was assigned, else the sharded parameter."""
+        for module, name in self.slots:
+            value = module._parameters.get(name)
+            if value is not None and value is not self.sharded and value is not self.unsharded:
+                return value
+        return self.sharded
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Compute in ``dtype`` from now on (the unit's dtype changed); unsharded storage freed."""
+        if self._unsharded_padded is None or self._unsharded_padded.dtype == dtype:
+            return
+        if self._tp_spec is not None:
+            raise NotImplementedError(
+                f"fully_shard: the dtype of tensor-parallel parameter {self.fqn!r} changed after "
+                "sharding; cast the module with .to(dtype) before fully_shard."
+            )
+        self._unsharded_padded = torch.empty_like(self._unsharded_padded, dtype=dtype)
+        # ``.data``: the same Parameter object, which autograd hooks are registered on.
+        self.unsharded.data = self._unsharded_padded.narrow(self.shard_dim, 0, self.rows)
+        self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
+        self.free_unsharded()
 
     def alloc_unsharded(self) -> None:
-        if not self._aliased:
-            storage = self.unsharded.untyped_storage()
+        if self._unsharded_padded is not None:
+            storage = self._unsharded_padded.untyped_storage()
             if storage.nbytes() != self._padded_nbytes:
                 storage.resize_(self._padded_nbytes)
 
     def free_unsharded(self) -> None:
-        if not self._aliased:
-            self.unsharded.untyped_storage().resize_(0)
+        if self._unsharded_padded is not None:
+            self._unsharded_padded.untyped_storage().resize_(0)
 
     def copy_from_gathered(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded storage from this parameter's ``(world, shard)`` gathered block."""
         if self._unsharded_padded is None:
             raise AssertionError(f"{self.fqn}: a parameter aliasing its shard is never gathered")
         # ``.data``: see [Note: sharded and unsharded parameters].
-        self._unsharded_padded.data.view(self.shard_world, self.shard_numel).copy_(gathered)
+        blocks = self._blocks(self._unsharded_padded.data)
+        blocks.copy_(gathered.view(self.shard_world, *self.chunk_shape))
 
     def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` (full shape) as a ``(world, shard_numel)`` block, zero padded in dim 0."""
-        pad_rows = self.chunk_rows * self.shard_world - self.rows
-        if pad_rows:
-            grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
-        return grad.reshape(self.shard_world, self.shard_numel)
+        """``grad`` (full shape) as a ``(world, shard_numel)`` block, zero padded along the
+        shard dim."""
+        grad = self._pad(grad, self.chunk_rows * self.shard_world - self.rows)
+        return self._blocks(grad.contiguous()).reshape(self.shard_world, self.shard_numel)
+
+    def _pad(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        """``tensor`` with ``rows`` zero rows appended along the shard dim."""
+        if not rows:
+            return tensor
+        shape = list(tensor.shape)
+        shape[self.shard_dim] = rows
+        return torch.cat([tensor, tensor.new_zeros(shape)], dim=self.shard_dim)
 
     def full_from_gathered(self, gathered: torch.Tensor) -> torch.Tensor:
         """A new full tensor (``full_shape``) from this parameter's ``(world, shard)`` block."""
-        padded = gathered.reshape(self.chunk_rows * self.shard_world, *self.rest)
-        return padded[: self.rows].clone()
+        padded = list(self.full_shape)
+        padded[self.shard_dim] = self.chunk_rows * self.shard_world
+        full = gathered.new_empty(padded)
+        self._blocks(full).copy_(gathered.reshape(self.shard_world, *self.chunk_shape))
+        return full.narrow(self.shard_dim, 0, self.rows).clone()
 
     def write_local_rows(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of ``full`` (``full_shape``) into the shard."""
         with torch.no_grad():
-            self.padded_shard[: self.valid_rows].copy_(
-                full[self.start_row : self.start_row + self.valid_rows]
-            )
+            self._valid(self.padded_shard).copy_(self._my_rows(full))
 
     def accumulate_sharded_grad(self, shard_flat: torch.Tensor) -> None:
         """Add this rank's reduced gradient (1D, ``shard_numel``, padded) to ``sharded.grad``."""
-        grad = shard_flat.view(self.chunk_rows, *self.rest)[: self.valid_rows]
+        grad = self._valid(shard_flat.view(self.chunk_shape))
         current = self.sharded.grad
         if current is not None:
             local_tensor(current).add_(grad)  # no DTensor dispatch on the hot path
@@ -306,14 +419,31 @@ class ShardedParam:
             self.sharded.grad.data = self._as_sharded_tensor(grad)
 
     def sharded_grad_rows(self) -> torch.Tensor | None:
-        """``sharded.grad`` zero padded to ``(chunk_rows, *rest)`` rows, or ``None``."""
+        """``sharded.grad`` zero padded to ``chunk_shape``, or ``None``."""
         if self.sharded.grad is None:
             return None
-        grad = local_tensor(self.sharded.grad)
-        pad_rows = self.chunk_rows - self.valid_rows
-        if pad_rows:
-            grad = torch.cat([grad, grad.new_zeros((pad_rows, *self.rest))])
-        return grad
+        return self._pad(local_tensor(self.sharded.grad), self.chunk_rows - self.valid_rows)
+
+    def take_unreduced_grad(self) -> torch.Tensor | None:
+        """The gradient not reduced yet (full shape), and forget it. See [Note: unreduced
+        gradients]."""
+        grad, kept = local_grad(self.unsharded.grad, self._tp_spec), self.unreduced_grad
+        self.unsharded.grad = self.unreduced_grad = None
+        if kept is None:
+            return grad
+        if grad is not None:
+            kept.add_(grad)
+        return kept
+
+    def keep_unreduced_grad(self, dtype: torch.dtype) -> None:
+        """After a backward that did not reduce: keep the gradient so far in ``dtype``."""
+        grad = self.unsharded.grad
+        if grad is None or (self.unreduced_grad is None and grad.dtype == dtype):
+            return  # nothing new, or autograd accumulates in ``dtype`` already
+        self.unreduced_grad = self.take_unreduced_grad().to(dtype)  # type: ignore[union-attr]
+
+    def has_unreduced_grad(self) -> bool:
+        return self.unsharded.grad is not None or self.unreduced_grad is not None
 
     @property
     def requires_grad(self) -> bool:

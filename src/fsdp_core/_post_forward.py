@@ -20,6 +20,8 @@ never reads those columns. ``N == 1`` means keep everything (``False``) and ``N 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -27,14 +29,16 @@ from . import _collectives
 
 __all__ = ["PostForwardShards", "post_forward_group"]
 
-# (ranks of the shard group, N) -> this rank's group of N; every rank creates every group once.
-_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+# (thread, ranks of the shard group, N) -> this rank's group of N; every rank creates every
+# group once. The thread is part of the key because ranks that are threads of one process (thread
+# mode) each see only their own groups.
+_GROUPS: dict[tuple[int, tuple[int, ...], int], dist.ProcessGroup] = {}
 
 
 def post_forward_group(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
     """This rank's group of ``size`` consecutive ranks of ``group`` (created collectively)."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    key = (ranks, size)
+    key = (threading.get_ident(), ranks, size)
     cached = _GROUPS.get(key)
     if cached is not None:
         try:

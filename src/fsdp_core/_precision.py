@@ -49,6 +49,17 @@ class UnitPrecision:
         reduce_dtype = policy.reduce_dtype or policy.param_dtype or orig_dtype
         return cls(orig_dtype, param_dtype, reduce_dtype, policy.keep_low_precision_grads)
 
+    def with_orig_dtype(self, orig_dtype: torch.dtype) -> UnitPrecision:
+        """The dtypes after the parameters became ``orig_dtype``: what followed the original
+        dtype (no cast) follows it, what the policy set stays."""
+        old = self.orig_dtype
+        return UnitPrecision(
+            orig_dtype,
+            orig_dtype if self.param_dtype == old else self.param_dtype,
+            orig_dtype if self.reduce_dtype == old else self.reduce_dtype,
+            self.keep_low_precision_grads,
+        )
+
     @property
     def casts_params(self) -> bool:
         return self.param_dtype != self.orig_dtype

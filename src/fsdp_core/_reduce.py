@@ -8,13 +8,36 @@ elements after the shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from . import _collectives, _order_check
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
 
-__all__ = ["input_tag_slots", "reduce_gradients"]
+__all__ = ["AllReduceHook", "input_tag_slots", "reduce_gradients"]
+
+
+@dataclass(frozen=True)
+class AllReduceHook:
+    """``FSDPModule.set_all_reduce_hook``: ``hook(reduced)`` runs on each reduced gradient shard
+    (1D, ``reduce_dtype``, padded) after the unit's last reduction collective (the
+    reduce-scatter, or the all-reduce with a 2-D mesh), before it is added to the ``.grad``s,
+    and may change it in place (e.g. all-reduce it over a group of its own), on ``stream`` when
+    given."""
+
+    hook: Callable[[torch.Tensor], None]
+    stream: Any = None  # a stream of the compute device's module (torch.cuda.Stream, ...)
+
+    def run(self, reduced: torch.Tensor, device: torch.device) -> None:
+        if self.stream is None:
+            self.hook(reduced)
+            return
+        with torch.get_device_module(device.type).stream(self.stream):
+            self.hook(reduced)
 
 
 def _tag_slots(groups: UnitGroups) -> tuple[int, int]:
@@ -40,6 +63,8 @@ def reduce_gradients(
     tags: UnitTags | None,
     *,
     unit: str,
+    all_reduce: bool = True,
+    partial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's summed gradient shard (1D, ``numel``) from the pre-divided input.
 
@@ -50,6 +75,10 @@ def reduce_gradients(
         tags: the order tags to send and check, or ``None`` (then the rows have no tag
             columns).
         unit: the unit's name, for the events.
+        all_reduce: all-reduce across the replicate group (default ``True``); ``False``
+            returns the reduce-scattered shard (``set_requires_all_reduce(False)``).
+        partial: reduce-scattered shards of earlier backwards that were not all-reduced,
+            added before the all-reduce (default ``None``).
     """
     if groups.world == 1:
         return reduce_input.view(-1)[:numel]
@@ -69,7 +98,9 @@ def reduce_gradients(
             tags.check(code, reduced[numel:row], shard)
     else:
         reduced = reduce_input.view(-1)
-    if replicate is not None and groups.replicate_size > 1:
+    if partial is not None:
+        reduced[:numel].add_(partial)
+    if all_reduce and replicate is not None and groups.replicate_size > 1:
         payload = reduced[: numel + replicas]
         if tags is not None:
             payload[numel:].zero_()

@@ -22,7 +22,6 @@ the first backward outside reduces the sum.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,9 +31,12 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from . import events
+from ._config import RuntimeConfig
 from ._exec_order import ExecOrder
+from ._offload import validate_offloaded_devices
 from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
+from ._replaced import adopt_at_lazy_init, refuse_unowned_shared
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
 from .api import BackwardPrefetch, TrainingState, default_state_dict_settings
@@ -61,40 +63,6 @@ _BACKWARD_STATES = (
     TrainingState.PRE_BACKWARD,
     TrainingState.POST_BACKWARD,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RuntimeConfig:
-    """The options of one FSDP instance that the runtime acts on, resolved by its front door.
-
-    Args:
-        reshard_after_forward: free the unsharded parameters after forward (``True``), keep
-            them for backward (``False``), or keep a copy sharded over groups of that many
-            ranks (an int; see [Note: reshard after forward to a smaller world] in
-            ``_post_forward``).
-        reshard_root_after_forward: whether the root honours ``reshard_after_forward``; the
-            root's parameters are the first that backward needs, so both doors keep them by
-            default.
-        backward_prefetch: when backward gathers the next unit in graph order, or ``None``
-            (no automatic backward prefetch).
-        forward_prefetch: gather the next unit in forward order when a forward starts.
-        limit_all_gathers: skip a prefetch while two non-root units are unsharded.
-        buffer_dtype: the dtype floating-point buffers are cast to for compute, or ``None``.
-        input_dtype: the dtype this instance casts floating-point forward inputs to, or
-            ``None``.
-        root_input_dtype: the same, when this instance is the root.
-        output_dtype: the dtype floating-point forward outputs are cast to, or ``None``.
-    """
-
-    reshard_after_forward: bool | int = True
-    reshard_root_after_forward: bool = False
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
-    buffer_dtype: torch.dtype | None = None
-    input_dtype: torch.dtype | None = None
-    root_input_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -176,6 +144,11 @@ class FSDPState:
         # Whether the unit's collectives carry order tags; off only to measure their cost (see
         # ``fsdp_core.debug.set_order_check``).
         self.tag_collectives = True
+        self.unshard_in_backward = True  # False: backward needs no parameters (embeddings)
+        # Root only (FSDP2's iteration controls): whether the coming backward ends the step,
+        # and a CUDA event the next forward's all-gathers wait on instead of the stream.
+        self.is_last_backward = True
+        self.post_optim_event: torch.cuda.Event | None = None
         # While True the door's forward hooks pass everything through; see
         # ``fsdp_core.debug.suspend_hooks``.
         self.hooks_suspended = False
@@ -222,7 +195,10 @@ class FSDPState:
             if state.unit is not None and state.tag_collectives:
                 # See [Note: order check].
                 state.unit.order_tags = order.checker.for_unit(index)
-        self._validate_offloaded_devices()
+        # See [Note: replaced parameters] in _replaced.
+        validate_offloaded_devices([s.unit for s in states if s.unit is not None])
+        adopt_at_lazy_init([(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None])
+        refuse_unowned_shared(self.owner)
         for state in states:
             buffer_dtype = state.config.buffer_dtype
             if buffer_dtype is not None:
@@ -246,46 +222,36 @@ class FSDPState:
         if unit is not None and order is not None:  # else lazy init reads ``tag_collectives``
             unit.order_tags = order.checker.for_unit(order.index(self)) if enabled else None
 
-    def _validate_offloaded_devices(self) -> None:
-        """Offloaded shards must stay on the CPU (the module was not moved after wrapping)."""
-        moved: dict[str, list[str]] = {}
-        for state in self.all_states:
-            unit = state.unit
-            if unit is None or not unit.offload_params:
-                continue
-            for p in unit.params:
-                # ``module.to()`` may move the shard in place or swap in a new Parameter.
-                exposed = [m._parameters[name] for m, name in p.slots]
-                devices = {t.device for t in (p.sharded, *exposed) if t is not None}
-                for device in devices - {torch.device("cpu")}:
-                    moved.setdefault(str(device), []).append(p.fqn)
-        if moved:
-            device_types = sorted({torch.device(d).type for d in moved})
-            raise RuntimeError(
-                "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
-                f"{', '.join(device_types)} ({moved}). With CPUOffload(offload_params=True) the "
-                "sharded parameters must stay on the CPU: do not move the module to an "
-                "accelerator after wrapping; pass device_id=... to compute there instead."
-            )
-
     # ------------------------------------------------------------------ forward
     def pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.is_root is None:
             self._lazy_init()
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputes this forward inside backward: the state
+            # stays, the parameters must be there (as in FSDP2).
+            self._unshard("backward")
+            if self.unit is not None:
+                self.unit.wait_for_unshard()
+            return self.cast_forward_inputs(args, kwargs)
         order = self._order()
         if self.is_root:
             order.start_forward()
             if self.streams is not None:
-                self.streams.begin_iteration()
+                self.streams.begin_iteration(self.post_optim_event)
+            self.post_optim_event = None
         self._assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.FORWARD
+        self._ran_pre_backward = self._expects_backward = False
         if self.unit is not None:
-            # See [Note: requires_grad changes after wrapping] in _unit.
+            # See [Note: requires_grad changes after wrapping] in _param.
             self.unit.update_grad_params()
             self._register_post_backward_hooks()
-        order.record_pre_forward(self)
+        if self.is_root or self._root().training_state is TrainingState.FORWARD:
+            # Not a standalone call between the root's forward and backward (a module of a
+            # group called alone, e.g. an output head per chunk): that is not in the order.
+            order.record_pre_forward(self)
         self._unshard("forward")
         if self.forward_prefetch_targets is not None:
             for target in self.forward_prefetch_targets:
@@ -294,21 +260,39 @@ class FSDPState:
             self._prefetch(order.next_to_forward(self), "forward_prefetch")
         if self.unit is not None:
             self.unit.wait_for_unshard()
+        return self.cast_forward_inputs(args, kwargs)
+
+    def cast_forward_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` with floating-point tensors in this instance's input dtype."""
         input_dtype = self._forward_input_dtype()
-        if input_dtype is not None:
-            args, kwargs = cast_floating_tensors((args, kwargs), input_dtype)
-        return args, kwargs
+        if input_dtype is None:
+            return args, kwargs
+        return cast_floating_tensors((args, kwargs), input_dtype)
+
+    def cast_output(self, output: Any) -> Any:
+        """``output`` with floating-point tensors in the policy's output dtype, if it has one."""
+        if self.config.output_dtype is None:
+            return output
+        return cast_floating_tensors(output, self.config.output_dtype)
 
     def _forward_input_dtype(self) -> torch.dtype | None:
         """The dtype this instance casts its floating-point forward inputs to, if any."""
         config = self.config
         dtype = config.root_input_dtype if self.is_root else None
         dtype = dtype or config.input_dtype
-        if dtype is None or (self.unit is not None and not self.unit.precision.casts_params):
+        if dtype is None or (
+            self.unit is not None
+            and not self.unit.precision.casts_params
+            and not config.cast_inputs_always
+        ):
             return None  # a no-op policy: see [Note: mixed precision]
         return dtype
 
     def post_forward(self, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return self.cast_output(output)  # an activation checkpointing recompute
         order = self._order()
         order.record_post_forward(self)
         grad_enabled = torch.is_grad_enabled()
@@ -317,8 +301,7 @@ class FSDPState:
             self.unit.reshard("forward")
             if not grad_enabled:
                 self.unit.drop_post_forward()
-        if self.config.output_dtype is not None:
-            output = cast_floating_tensors(output, self.config.output_dtype)
+        output = self.cast_output(output)
         if grad_enabled:
             self.hook_outputs(output)
         self.training_state = TrainingState.IDLE
@@ -338,8 +321,6 @@ class FSDPState:
     # ------------------------------------------------------------------ backward
     def hook_outputs(self, output: Any) -> None:
         """Unshard this unit for backward when a gradient reaches a tensor of ``output``."""
-        self._ran_pre_backward = False
-        self._expects_backward = False
         for leaf in pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self._pre_backward_hook)
@@ -353,7 +334,8 @@ class FSDPState:
         root._queue_final_callback()
         self._assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.PRE_BACKWARD
-        self._unshard("backward")
+        if self.unshard_in_backward:
+            self._unshard("backward")
         if self.backward_prefetch_targets is not None:
             for target in self.backward_prefetch_targets:
                 self._prefetch(target, "backward_prefetch", explicit=True)
@@ -412,19 +394,39 @@ class FSDPState:
                 # Some parameter got no gradient in this backward (unused on this path).
                 state._post_backward(prefetch=False)
             if unit is not None:
-                if state.reshard_after_backward:
-                    unit.reshard("backward")  # units without gradients, or prefetched unused
+                # Only units still unsharded (no gradients, or prefetched unused) reshard: a
+                # reshard is a free, which patches and delays count (FSDP1 skips them too).
+                if state.reshard_after_backward and unit.is_unsharded:
+                    unit.reshard("backward")
                 else:
                     unit.drop_post_forward()
                 unit.reset_backward()
             state.training_state = TrainingState.IDLE
             state._ran_pre_backward = False
             state._expects_backward = False
-        if self.streams is not None:
+        if self.streams is not None and self.is_last_backward:
             offload = any(s.unit is not None and s.unit.offload_params for s in self.all_states)
             self.streams.end_backward(offload=offload)
         self._order().finish_iteration()
         self._check_idle()
+
+    def reset_iteration(self) -> None:
+        """Root only: after an exception in forward or backward, reshard every unit and make
+        every state idle. The failed step's gradients, also those kept by ``no_sync``, are
+        dropped; gradients already on the sharded parameters stay."""
+        if self.is_root is False:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root FSDP module, not {self.fqn!r}."
+            )
+        for state in self.all_states or [self]:
+            unit = state.unit
+            if unit is not None:
+                unit.reshard("explicit")
+                unit.drop_unreduced_grads()
+                unit.reset_backward()
+            state.training_state = TrainingState.IDLE
+            state._ran_pre_backward = state._expects_backward = False
+        self._final_callback_queued = False
 
     def _check_idle(self) -> None:
         """Every unit must be resharded with its gradients reduced once a step ends."""
@@ -458,7 +460,9 @@ class FSDPState:
         if target is None or target.unit is None or target.unit.is_unsharded:
             return
         if reason == "backward_prefetch" and (
-            target.training_state is not TrainingState.IDLE or not target._expects_backward
+            target.training_state is not TrainingState.IDLE
+            or not target._expects_backward
+            or not target.unshard_in_backward
         ):
             # Its backward already started (e.g. a root that owns both the first and the last
             # layer reduces only at the end), or will not run (no output of its forward

@@ -64,8 +64,14 @@ class CudaStreams:
         self.copy_out_done: torch.cuda.Event | None = None
         self.pending_reduce: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
-    def begin_iteration(self) -> None:
-        """Root pre-forward: the side streams see this step's parameters (optimizer writes)."""
+    def begin_iteration(self, post_optim_event: torch.cuda.Event | None = None) -> None:
+        """Root pre-forward: the side streams see this step's parameters (optimizer writes):
+        they wait for the compute stream, or for ``post_optim_event`` when the user recorded
+        one after the optimizer step (``FSDPModule.set_post_optim_event``)."""
+        if post_optim_event is not None:
+            self.all_gather.wait_event(post_optim_event)
+            self.offload.wait_event(post_optim_event)
+            return
         current = torch.cuda.current_stream(self.device)
         self.all_gather.wait_stream(current)
         self.offload.wait_stream(current)

@@ -8,7 +8,7 @@ Test helpers patch :meth:`FSDPUnit.unshard`, :meth:`FSDPUnit.reshard` and
 instance so such patches see every call.
 
 Communication per unit: ``unshard`` issues one all-gather of the flat shard buffer (the
-concatenation of every parameter's padded dim-0 shard) inside the shard group,
+concatenation of every parameter's padded shard) inside the shard group,
 ``post_backward`` one reduce-scatter of all of the unit's gradients inside the shard group and
 one all-reduce of the reduced shard across the replicate group, each skipped over a group of
 one (see [Note: unit groups] in ``_groups``).
@@ -20,26 +20,6 @@ out into each unsharded parameter. A reduction goes: unsharded gradients -> redu
 -> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``. Every collective
 carries an order tag after the data once the root has given the unit its ``order_tags``; see
 [Note: order check] in ``_order_check``.
-
-[Note: CPU offload]
-With ``CPUOffload(offload_params=True)`` the flat shard buffer (so every sharded parameter and
-the optimizer state built on it) and the sharded gradients live on the CPU, pinned when CUDA is
-available. The unit computes on ``compute_device`` (the parameters' device at wrap time, or
-``device_id``): each unshard copies the flat shard there first, each reduction copies the
-reduced gradient shard back. The copies are made even when the compute device is the CPU, so a
-CPU-only run exercises (and publishes, as ``events.OffloadCopy``) the same steps.
-
-[Note: requires_grad changes after wrapping]
-Users freeze or unfreeze parameters after wrapping through the sharded parameters, which the
-module exposes between passes (``named_parameters()``, ``requires_grad_``), so the unit treats
-``sharded.requires_grad`` as the truth and never fixes it at construction. Every unshard gives
-each unsharded parameter that flag (autograd then computes gradients for exactly the trainable
-parameters), and at each forward the runtime calls :meth:`FSDPUnit.update_grad_params`, which
-recomputes the parameters whose gradients ``post_backward`` waits for and the layout of the
-reduce buffer. The buffer holds only trainable parameters, so the unit still reduces with one
-collective, frozen parameters add no bytes to it and get no gradient. The buffer's size
-depends on which parameters train: every rank must freeze the same ones (as with DDP). A
-parameter frozen while it holds a gradient kept unreduced by ``no_sync`` loses that gradient.
 """
 
 from __future__ import annotations
@@ -51,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives, _offload, _order_check, events
+from . import _collectives, _offload, _order_check, _replaced, events
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
-from ._param import DTensorLayout, ParamSpec, ShardedParam
+from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape, local_tensor
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
-from ._reduce import input_tag_slots, reduce_gradients
+from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients
 from ._streams import CudaStreams
 
 __all__ = ["FSDPUnit"]
@@ -82,7 +62,7 @@ class FSDPUnit:
             replicated across; see [Note: unit groups] in ``_groups``.
         precision: the resolved dtypes (default: none of the parameters' dtype changes).
         offload_params: keep shards and sharded gradients on the CPU (default ``False``).
-            See [Note: CPU offload].
+            See [Note: CPU offload] in ``_offload``.
         compute_device: where forward/backward run (default: the parameters' device).
         layout: show the sharded parameters as ``DTensor``s (the composable door; default
             ``None``: plain tensors).
@@ -114,15 +94,9 @@ class FSDPUnit:
 
         first = specs[0].param
         self.dtype = first.dtype  # of the sharded parameters
-        mixed = [
-            s.fqn for s in specs if (s.param.dtype, s.param.device) != (self.dtype, first.device)
-        ]
-        if mixed:
-            raise ValueError(
-                f"FullyShardedDataParallel needs one dtype and device per unit, but {mixed} differ "
-                f"from {specs[0].fqn} ({self.dtype}, {first.device}). Cast the module with "
-                ".to(dtype, device) before wrapping, or wrap those submodules separately."
-            )
+        if any((s.param.dtype, s.param.device) != (self.dtype, first.device) for s in specs):
+            # Each door checks it first, naming itself (``_init.validate_uniform``).
+            raise AssertionError(f"[rank {dist.get_rank()}] a unit needs one dtype and device")
         self.device = compute_device if compute_device is not None else first.device
         self.precision = precision or UnitPrecision.resolve(None, self.dtype)
         if self.precision.orig_dtype != self.dtype:
@@ -131,6 +105,7 @@ class FSDPUnit:
                 f" but the parameters are {self.dtype}"
             )
         self.offload_params = offload_params
+        self.layout = layout  # the composable door's: its parameters may be replaced
         shard_device = torch.device("cpu") if offload_params else self.device
         if first.is_meta:
             shard_device = first.device  # meta-device init: see ``reset_sharded_params``
@@ -147,7 +122,8 @@ class FSDPUnit:
         alias = not self._sharded and not offload_params and not self.precision.casts_params
 
         numels = [
-            -(-s.param.shape[0] // self._shard_world) * math.prod(s.param.shape[1:]) for s in specs
+            math.prod(chunk_shape(local_tensor(s.param).shape, s.shard_dim, self._shard_world))
+            for s in specs
         ]
         # The flat shard and two spare elements for the all-gather's order tag, so that an
         # all-gather in the shard's dtype and device sends this buffer without a copy.
@@ -192,6 +168,17 @@ class FSDPUnit:
         # Set by the door for ``reshard_after_forward=N``; see [Note: reshard after forward to
         # a smaller world] in ``_post_forward``.
         self.post_forward: PostForwardShards | None = None
+        # Set by the composable door: gradients kept unreduced accumulate in ``reduce_dtype``
+        # (FSDP2), not in the compute dtype (FSDP1). See [Note: unreduced gradients].
+        self.upcast_unreduced_grads = False
+        # Also the composable door's: a parameter that got no gradient keeps its ``.grad`` (FSDP2
+        # leaves it None), instead of adding the zeros of its rows (FSDP1's flat gradient).
+        self.skip_params_without_grads = False
+        # ``set_requires_all_reduce(False)`` (HSDP): reduce-scatter only, summing the shards in
+        # ``_partial_reduced`` (1D) until a backward that all-reduces; see ``_reduce``.
+        self.all_reduce_grads = True
+        self._partial_reduced: torch.Tensor | None = None
+        self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
         for p in self.params:
             p.expose_sharded()
 
@@ -283,27 +270,30 @@ class FSDPUnit:
         added to any
         gradient already on the sharded parameter, so several backwards accumulate. With
         ``reduce=False`` (inside ``no_sync``) the unsharded gradients are kept and keep
-        accumulating until a backward that reduces. With ``reshard=False`` the unsharded
-        parameters stay (``set_reshard_after_backward(False)``).
+        accumulating until a backward that reduces (in ``reduce_dtype`` when
+        ``upcast_unreduced_grads``; see [Note: unreduced gradients] in ``_param``). With
+        ``reshard=False`` the unsharded parameters stay (``set_reshard_after_backward(False)``).
         """
-        if reshard:
+        if reshard and self.is_unsharded:  # see ``FSDPState._final_callback``
             self.reshard("backward")
         if not reduce:
+            if self.upcast_unreduced_grads:
+                for p in self._grad_params:
+                    p.keep_unreduced_grad(self.precision.reduce_dtype)
             return
-        grads = [p.unsharded.grad for p in self._grad_params]
+        grads = [p.take_unreduced_grad() for p in self._grad_params]
         if all(g is None for g in grads):
             return
         reduce_input = self._reduce_input(grads)
-        for p in self._grad_params:
-            p.unsharded.grad = None
+        got = [g is not None or not self.skip_params_without_grads for g in grads]
         streams = self.streams
         if streams is None:
-            self._store_grads(self._reduce(reduce_input))
+            self._store_grads(self._reduce(reduce_input), got)
             return
         side = streams.reduce_scatter
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._store_grads(self._reduce(reduce_input))
+            self._store_grads(self._reduce(reduce_input), got)
             done = side.record_event()
         streams.hold_reduce_input(reduce_input, done)
 
@@ -382,22 +372,35 @@ class FSDPUnit:
             full.div_(self.groups.world)  # See [Note: gradient averaging].
         return full
 
-    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor:
-        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input; see
-        ``_reduce.reduce_gradients``."""
+    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor | None:
+        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input, or
+        ``None`` while it waits for its all-reduce; see ``_reduce.reduce_gradients``."""
         numel = self._grad_numel
         # The input has tag columns iff ``_reduce_input`` saw order tags.
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
-        return reduce_gradients(reduce_input, numel, self.groups, tags, unit=self.name)
+        all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
+        reduced = reduce_gradients(
+            reduce_input, numel, self.groups, tags, unit=self.name,
+            all_reduce=all_reduce, partial=self._partial_reduced,
+        )  # fmt: skip
+        self._partial_reduced = None if all_reduce else reduced
+        if all_reduce and self.all_reduce_hook is not None:
+            self.all_reduce_hook.run(reduced, self.device)
+        return reduced if all_reduce else None
 
-    def _store_grads(self, reduced: torch.Tensor) -> None:
+    def _store_grads(self, reduced: torch.Tensor | None, got: list[bool]) -> None:
+        """Add ``reduced`` to the ``.grad`` of each parameter in ``grad_params`` whose entry
+        in ``got`` is true."""
+        if reduced is None:
+            return
         grad = reduced.to(self.precision.grad_dtype)
         if self.offload_params:
             grad = _offload.copy_to_host(
                 grad, self.device, self.streams, unit=self.name, pin=self._pin
             )
-        for p, offset in zip(self._grad_params, self._grad_offsets, strict=True):
-            p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
+        for p, offset, store in zip(self._grad_params, self._grad_offsets, got, strict=True):
+            if store:
+                p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
 
     # ------------------------------------------------------------------ full parameters
     def gather_full_params(self) -> list[torch.Tensor]:
@@ -421,31 +424,27 @@ class FSDPUnit:
                 module._parameters[name] = tensor  # type: ignore[assignment]
 
     def reset_sharded_params(self) -> None:
-        """After ``module.to_empty(...)``/``.to(device)`` replaced the sharded parameters: the
-        flat shard moves to their device with their values; the module sees views into it."""
-        current = [p.current_local() for p in self.params]
-        old = self._flat_send.untyped_storage()
-        if all(c.untyped_storage().data_ptr() == old.data_ptr() for c in current):
-            return
-        dtypes = sorted({str(c.dtype) for c in current} - {str(self.dtype)})
-        if dtypes:
-            raise NotImplementedError(
-                f"fully_shard: unit {self.name!r} changed dtype to {dtypes} after sharding; "
-                "cast the module with .to(dtype) before fully_shard."
-            )
-        device = current[0].device
+        """Adopt sharded parameters that replaced the unit's own on the module (``to_empty``,
+        ``.to(...)``, ``load_state_dict(assign=True)``, assignment); see [Note: replaced
+        parameters] in ``_replaced``."""
+        _replaced.adopt(self)
+
+    def new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Make a new zeroed flat shard buffer (with its tag elements) the unit's; return the
+        flat shard (1D, padded) to rebind the parameters into."""
         numel = self._flat_shard.numel()
         self._flat_send = torch.zeros(
             numel + _order_check.GATHER_TAG_NUMEL,
-            dtype=self.dtype,
+            dtype=dtype,
             device=device,
             pin_memory=self._pin and device.type == "cpu",
         )
         self._flat_shard = self._flat_send[:numel]
-        offset = 0
-        for p, local in zip(self.params, current, strict=True):
-            p.rebind(self._flat_shard[offset : offset + p.shard_numel], local)
-            offset += p.shard_numel
+        return self._flat_shard
+
+    @property
+    def flat_shard(self) -> torch.Tensor:  # 1D, padded; every sharded parameter is a view
+        return self._flat_shard
 
     @property
     def shard_world(self) -> int:  # ranks the parameters are sharded over (1: unsharded)
@@ -477,7 +476,7 @@ class FSDPUnit:
     def update_grad_params(self) -> None:
         """Follow ``requires_grad`` changes made since the last forward.
 
-        See [Note: requires_grad changes after wrapping].
+        See [Note: requires_grad changes after wrapping] in ``_param``.
         """
         for p in self.params:
             p.sync_requires_grad()
@@ -486,7 +485,7 @@ class FSDPUnit:
             return
         for p in self.params:
             if not p.requires_grad:
-                p.unsharded.grad = None  # frozen while holding a no_sync gradient
+                p.take_unreduced_grad()  # frozen while holding a no_sync gradient: dropped
         self._grad_params = trainable
         self._grad_offsets = []
         offset = 0
@@ -502,7 +501,13 @@ class FSDPUnit:
 
     def has_pending_grads(self) -> bool:
         """Whether some gradient of this backward has not been reduced yet."""
-        return any(p.unsharded.grad is not None for p in self._grad_params)
+        return any(p.has_unreduced_grad() for p in self._grad_params)
+
+    def drop_unreduced_grads(self) -> None:
+        """Forget every gradient not reduced into the sharded ``.grad``s yet."""
+        for p in self.params:
+            p.take_unreduced_grad()
+        self._partial_reduced = None
 
     def reset_backward(self) -> None:
         self._grads_ready.clear()

@@ -229,6 +229,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         specs = [ParamSpec(clean_fqn(s.fqn), s.param, s.slots) for s in specs]
         _init.validate_no_scalars("FullyShardedDataParallel", specs)
+        if specs:
+            _init.validate_uniform("FullyShardedDataParallel", specs, frozen_may_differ=False)
         if sync_module_states:
             _init.sync_module_states(module, specs, ignored, self._unit_groups)
         strategy = self.sharding_strategy

@@ -45,15 +45,18 @@ class ParamView:
     Args:
         fqn: its name in the model (as ``named_parameters()`` of the model passed to
             :func:`unit_views` gives it; the first name of a tied parameter).
-        shape: the full (unsharded) shape.
+        shape: the full (unsharded) shape (of a tensor-parallel ``DTensor`` parameter: its
+            local tensor-parallel piece, which is what the unit shards).
         dtype: the sharded parameter's dtype (what the optimizer steps; the original dtype).
         requires_grad: whether it trains now (users may freeze it after sharding).
-        shard_dim: the dimension it is sharded along (always 0).
+        shard_dim: the dimension it is sharded along (0, or the ``shard_placement_fn`` dim);
+            "rows" below count along it.
         padded_rows: rows every rank of the shard group holds after padding,
-            ``ceil(shape[0] / shard_size)`` (the whole tensor when unsharded).
+            ``ceil(shape[shard_dim] / shard_size)`` (the whole tensor when unsharded).
         start_row: the first row of this rank's shard.
-        local_shape: the shape of this rank's shard: ``(local_rows, *shape[1:])``, where
-            ``local_rows`` may be fewer than ``padded_rows`` (the last ranks) or zero.
+        local_shape: the shape of this rank's shard: ``shape`` with ``local_rows`` at
+            ``shard_dim``, where ``local_rows`` may be fewer than ``padded_rows`` (the last
+            ranks) or zero.
         padding_numel: elements of zero padding behind this rank's rows, up to
             ``padded_rows`` (sent by the all-gather and the reduce-scatter like data).
     """
@@ -70,8 +73,8 @@ class ParamView:
 
     @property
     def local_rows(self) -> int:
-        """Rows of the parameter this rank holds (``local_shape[0]``)."""
-        return self.local_shape[0]
+        """Rows of the parameter this rank holds (``local_shape[shard_dim]``)."""
+        return self.local_shape[self.shard_dim]
 
     @property
     def numel(self) -> int:
@@ -220,18 +223,20 @@ def _view(state: FSDPState, names: dict[int, str], position: dict[int, int]) -> 
             param_fqn = f"{fqn}.{p.fqn}" if fqn else p.fqn
         else:
             param_fqn = f"{prefix}.{attr}" if prefix else attr
-        rest = math.prod(p.rest)
+        local_shape = list(p.chunk_shape)
+        local_shape[p.shard_dim] = p.valid_rows
+        row_numel = math.prod(p.full_shape) // p.rows if p.rows else 0
         params.append(
             ParamView(
                 fqn=param_fqn,
                 shape=tuple(p.full_shape),
                 dtype=unit.dtype,
                 requires_grad=p.requires_grad,
-                shard_dim=0,
+                shard_dim=p.shard_dim,
                 padded_rows=p.chunk_rows,
                 start_row=p.start_row,
-                local_shape=(p.valid_rows, *p.rest),
-                padding_numel=(p.chunk_rows - p.valid_rows) * rest,
+                local_shape=tuple(local_shape),
+                padding_numel=(p.chunk_rows - p.valid_rows) * row_numel,
             )
         )
     shard_size, shard_rank, shard_ranks = _group(unit.groups.shard)
@@ -271,4 +276,3 @@ def _view(state: FSDPState, names: dict[int, str], position: dict[int, int]) -> 
         state=ShardedState.UNSHARDED if unit.is_unsharded else ShardedState.SHARDED,
         training_state=state.training_state,
     )
-

@@ -115,8 +115,7 @@ def test_full_shard_collectives_per_step(rank, world_size, process_group):
                     ("", reduce_op): 1,
                 }, (backward_prefetch, forward_prefetch, step)
                 assert counts[gather_op] == 3 and counts[reduce_op] == 2
-                # The first step adds one order check (an all-reduce) per unit collective.
-                assert counts["all_reduce"] == (5 if step == 0 else 0)
+                assert counts["all_reduce"] == 0  # the order check's are DETAIL-only
                 gathered, reduced = Counter(), Counter()
                 for e in seen:
                     if isinstance(e, events.Collective) and e.op == gather_op:
@@ -129,6 +128,18 @@ def test_full_shard_collectives_per_step(rank, world_size, process_group):
                     "": unit_bytes[""] + gather_tag,
                 }
                 assert reduced == {u: unit_bytes[u] + reduce_tag for u in ("block", "")}
+    # Under TORCH_DISTRIBUTED_DEBUG=DETAIL the first step adds one order check (an all-reduce)
+    # per unit collective, and the later steps none.
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        model = wrap_model("nested", build("nested", rank), process_group)
+        for step in range(2):
+            with _counting_collectives() as counts:
+                model(get_input("nested", rank, step)).sum().backward()
+            assert counts["all_reduce"] == (5 if step == 0 else 0), step
+    finally:
+        dist.set_debug_level(previous)
 
 
 def _backward_trace(seen: list[events.Event]) -> list[str]:

@@ -86,7 +86,7 @@ def test_bad_input_raises_naming_the_value_and_the_fix(rank, process_group):
 
     with pytest.raises(
         ValueError,
-        match=r"fully_shard doesn't support scalar parameters \['scale'\].*Change each to a 1D "
+        match=r"fully_shard doesn't support scalar parameters \['scale'\].*Change scale to a 1D "
         r"tensor with numel equal to 1",
     ):
         fully_shard(_Scaled(), mesh=mesh)
@@ -94,8 +94,9 @@ def test_bad_input_raises_naming_the_value_and_the_fix(rank, process_group):
 
 @pytest.mark.distributed(world_size=2)
 def test_the_root_keeps_its_parameters_after_forward_by_default(rank, process_group):
-    """Left at the default (True), the root's unit stays gathered after forward and the
-    blocks reshard; the root's set_reshard_after_forward(True) makes it reshard too."""
+    """Left at the default (None), the root's unit stays gathered after forward and the
+    blocks reshard; the root's set_reshard_after_forward(True), or an explicit True, makes it
+    reshard too."""
     mesh = _mesh(process_group)
     model = NestedModel()
     fully_shard(model.block, mesh=mesh)
@@ -111,3 +112,42 @@ def test_the_root_keeps_its_parameters_after_forward_by_default(rank, process_gr
     loss = model(x).sum()
     assert isinstance(model.inp.weight, DTensor)
     loss.backward()
+
+    # An explicit True reshards the root too (torch 2.13: only the default None keeps it).
+    model = NestedModel()
+    fully_shard(model.block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    loss = model(x).sum()
+    assert isinstance(model.inp.weight, DTensor)
+    loss.backward()
+
+
+class _TwoDtypes(nn.Module):
+    """``lin`` in float32 and ``scale`` in float16 (frozen or not): one unit, two dtypes."""
+
+    def __init__(self, half_trains: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float16), requires_grad=half_trains)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_parameters_of_several_dtypes_in_one_unit_raise_naming_the_door(rank, process_group):
+    """Trainable parameters of two dtypes: FSDP2's AssertionError (also a ValueError) with its
+    words; a frozen parameter of another dtype (FSDP2 accepts it, fsdp_core keeps one dtype per
+    unit): NotImplementedError. Each names the door called (the unit's error named the wrapper
+    for every door); the wrapper keeps FSDP1's ValueError."""
+    from fsdp_core import replicate
+
+    mesh = _mesh(process_group)
+    for door, shard in (("fully_shard", fully_shard), ("replicate", replicate)):
+        with pytest.raises(AssertionError, match=rf"^{door}: FSDP expects uniform original param"):
+            shard(_TwoDtypes(half_trains=True), mesh=mesh)
+        with pytest.raises(ValueError, match=r"torch.float16"):
+            shard(_TwoDtypes(half_trains=True), mesh=mesh)
+        with pytest.raises(
+            NotImplementedError, match=rf"^{door}: parameters of other dtypes .*\[.scale"
+        ):
+            shard(_TwoDtypes(half_trains=False), mesh=mesh)
+    with pytest.raises(ValueError, match=r"^FullyShardedDataParallel needs one dtype and device"):
+        FSDP(_TwoDtypes(half_trains=False), process_group)

@@ -283,3 +283,23 @@ def test_a_weight_tied_across_units_moves_to_their_ancestor_and_trains_like_ddp(
     ):
         torch.testing.assert_close(q.full_tensor(), p, rtol=0, atol=0, msg=name)
     assert model.embed.weight is model.proj.weight
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_weight_tied_across_units_without_a_sharded_ancestor_raises_fsdp2s_error(
+    rank, process_group
+):
+    """embed and proj share one weight, each sharded, the model that encloses both is not: proj
+    would compute with an original copy that never trains, so the first forward raises FSDP2's
+    ValueError naming it (it used to run)."""
+    mesh = _mesh(process_group)
+    model = _TiedLM()
+    fully_shard(model.embed, mesh=mesh)
+    fully_shard(model.proj, mesh=mesh)
+    tokens = torch.randint(0, 11, (4, 5))
+    with pytest.raises(
+        ValueError,
+        match=r"fully_shard: Parameter 'weight' is shared with a parameter already managed by "
+        r"another FSDP group \('weight'\)",
+    ):
+        model.proj(model.hidden(model.embed(tokens)))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, events, unit_views
 from fsdp_core._order_check import (
@@ -285,3 +286,72 @@ def test_cuda_swap_fails_at_the_end_of_that_iteration(rank, process_group, devic
     assert "rank 1 all-gathered 'b' for forward" in message, message
     messages = _messages_on_every_rank(message, process_group)
     assert messages[0] == messages[1]
+
+
+# ---------------------------------------------------------------------- units of different sizes
+
+
+class _Uneven(nn.Module):
+    """``small`` and ``big`` (three times the parameters) in a rank-chosen order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Linear(4, 4)
+        self.big = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+        self.swap = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.big, self.small) if self.swap else (self.small, self.big)
+        return second(first(x))
+
+
+def _uneven(group: dist.ProcessGroup) -> nn.Module:
+    from fsdp_core import fully_shard
+
+    model = _Uneven()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    fully_shard(model.small, mesh=mesh)
+    fully_shard(model.big, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_units_of_different_sizes_swapped_in_iteration_one_fail_before_the_collective(
+    rank, process_group
+):
+    """[Note: order validation]: rank 1 runs the bigger unit first in the first iteration. The
+    all-gathers differ in size, so the payload tags are never read: gloo aborts the process of
+    one rank (SIGABRT, gloo::EnforceNotMet) and hands the other a corrupted buffer. Under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL the ranks compare the unit before the collective and both
+    raise the same error naming both units (a run without that check fails this test with
+    rank 1 killed by SIGABRT)."""
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        model = _uneven(process_group)
+        model.swap = rank == 1
+        with pytest.raises(RuntimeError, match="FSDP ranks ran units in different orders") as info:
+            model(torch.randn(2, 4)).sum().backward()
+    finally:
+        dist.set_debug_level(previous)
+    message = str(info.value)
+    assert message.startswith(f"[rank {rank}] FSDP ranks ran units in different orders: ")
+    mine, other = ("small", "big") if rank == 0 else ("big", "small")
+    assert (
+        f"this rank is about to all-gather {mine!r}, another rank is about to all-gather {other!r}"
+        in message
+    )
+    assert dist.get_debug_level() == previous
+
+
+@pytest.mark.distributed(world_size=2)
+def test_no_extra_collective_in_the_first_iteration_by_default(rank, process_group):
+    """Without DETAIL the first iteration issues the unit collectives only, as torch's FSDP
+    does (its tests count them): one reduce-scatter per unit and no all-reduce."""
+    model = _uneven(process_group)
+    seen: list = []
+    with events.subscribe(seen.append):
+        model(torch.randn(2, 4)).sum().backward()
+    ops = [e.op for e in seen if isinstance(e, events.Collective)]
+    assert not [op for op in ops if "all_reduce" in op], ops
+    assert sum("reduce_scatter" in op for op in ops) == 2, ops  # small and big; the root has none

@@ -345,7 +345,7 @@ def test_bad_input_raises_naming_the_value_and_the_fix(rank, process_group):
         replicate(NestedModel(), mesh=mesh, ignored_params={torch.zeros(1)})  # type: ignore[arg-type]
     with pytest.raises(
         ValueError,
-        match=r"replicate doesn't support scalar parameters \['scale'\].*Change each to a 1D "
+        match=r"replicate doesn't support scalar parameters \['scale'\].*Change scale to a 1D "
         r"tensor with numel equal to 1",
     ):
         replicate(_Scaled(), mesh=mesh)

@@ -9,9 +9,10 @@ import torch
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Dtypes for compute, gradient reduction and outputs (torch FSDP2's policy).
+    """Dtypes for compute, gradient reduction and outputs (torch FSDP2's policy; its fields
+    may be given positionally, in this order, as torch's).
 
     The rule (docs/core.md, "Mixed precision"): if ``param_dtype`` is set and ``reduce_dtype``
     is not, gradients are reduced in ``param_dtype``. Sharded parameters, gradients and

@@ -23,6 +23,7 @@ from ..api import MixedPrecision
 from ..fully_sharded_data_parallel import FullyShardedDataParallel
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_module import API_KEY, ForwardHooks, FSDPModule, api_of, load_full_tensors_hook
+from ._placement import ShardPlacementFn, place_params
 from ._shared import UnitFactory, mark_taken, move_shared_params, taken
 
 __all__ = [
@@ -189,12 +190,14 @@ def unit_factory(
     mesh: Any,
     *,
     replicate: bool,
+    shard_placement_fn: ShardPlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     then: Callable[[FSDPUnit], None] | None = None,
 ) -> UnitFactory:
     """Builds the unit of ``modules`` from given parameters, with this call's options:
-    ``Shard(0)`` DTensors over ``mesh``, or with ``replicate`` whole ``Replicate()`` ones;
+    ``Shard(0)`` DTensors over ``mesh`` (``Shard(dim)`` where ``shard_placement_fn`` says), or
+    with ``replicate`` whole ``Replicate()`` ones;
     ``then`` finishes each unit built (also those rebuilt when a shared parameter moves up)."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -211,6 +214,10 @@ def unit_factory(
     layout = DTensorLayout(mesh, placements)
 
     def make_unit(specs: list[ParamSpec]) -> FSDPUnit:
+        specs = place_params("fully_shard", specs, shard_placement_fn, mesh, groups.shard_size)
+        _init.validate_uniform(
+            "replicate" if replicate else "fully_shard", specs, frozen_may_differ=True
+        )
         precision = UnitPrecision.resolve(
             MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
             specs[0].param.dtype,
@@ -225,6 +232,8 @@ def unit_factory(
             layout=layout,
             pin_memory=offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
         )
+        # FSDP2's no-sync accumulation dtype, and .grad None for parameters without gradients
+        unit.upcast_unreduced_grads = unit.skip_params_without_grads = True
         if then is not None:
             then(unit)
         mark_taken(specs, unit)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -14,8 +14,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._post_forward import PostForwardShards, post_forward_group
+from .._reduce import AllReduceHook
 from .._runtime import FSDPState, state_of, states_in
 from .._unit import FSDPUnit
+from ..api import TrainingState
 
 __all__ = [
     "API_KEY",
@@ -175,6 +177,84 @@ class FSDPModule:
             "set_modules_to_backward_prefetch", modules
         )
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """With a 2-D mesh (HSDP): all-reduce the reduce-scattered gradients across replicas in
+        backward (``True``, the default), or only reduce-scatter and sum the shards until a
+        backward with it on (gradient accumulation across replicas without the all-reduce).
+
+        Args:
+            requires_all_reduce: whether to all-reduce.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.all_reduce_grads = bool(requires_all_reduce)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Run ``hook(reduced)`` on this module's reduced gradient shard (1D, ``reduce_dtype``)
+        after the reduce-scatter, or after the all-reduce with a 2-D mesh, before it is added
+        to the ``.grad``s; it may change it in place (e.g. all-reduce it over replicas of its
+        own). Not recursive.
+
+        Args:
+            hook: ``hook(reduced) -> None``.
+            stream: a stream of the compute device to run it on (default ``None``: where the
+                reduction ran); not with a 2-D mesh, whose all-reduce stream runs it.
+        """
+        unit = self._get_fsdp_state().unit
+        if unit is None:
+            return
+        if stream is not None and unit.groups.replicate_size > 1:
+            raise ValueError("stream cannot be set when using native HSDP")
+        unit.all_reduce_hook = AllReduceHook(hook, stream)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward needs this module's parameters (default ``True``); ``False`` skips
+        the all-gather in backward where the gradients need no parameters (an embedding).
+        Not recursive.
+
+        Args:
+            unshard_in_backward: whether to all-gather in backward.
+        """
+        self._get_fsdp_state().unshard_in_backward = bool(unshard_in_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the step (default ``True``). With ``False``
+        (micro-batches) the end of that backward does not wait for its gradient reductions on
+        CUDA; a later backward does. Applies to the whole tree of the root.
+
+        Args:
+            is_last_backward: whether the next backward is the step's last.
+        """
+        state = self._get_fsdp_state()
+        (state.root or state).is_last_backward = bool(is_last_backward)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Let the next forward's all-gathers wait on ``event`` (recorded after the optimizer
+        step) instead of on the whole compute stream; used once. On the CPU, where nothing
+        overlaps, it has no effect.
+
+        Args:
+            event: a ``torch.cuda.Event`` (or the device's event type).
+        """
+        state = self._get_fsdp_state()
+        (state.root or state).post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward; call it on the root. Every unit
+        is resharded and every state made idle; the failed step's gradients are dropped
+        (also those kept by ``set_requires_gradient_sync(False)``); gradients already on the
+        parameters stay.
+        """
+        state = self._get_fsdp_state()
+        state.reset_iteration()
+        for other in state.all_states or [state]:
+            hooks = other.owner.__dict__.get("_fsdp_forward_hooks")
+            if hooks is not None:
+                hooks.reset()
+
     def _states(self, recurse: bool) -> list[FSDPState]:
         return states_in(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
 
@@ -190,13 +270,23 @@ class FSDPModule:
 class ForwardHooks:
     """The forward pre-hook and hook of one unit's modules.
 
-    The unit unshards when the first of its modules starts forward and reshards when every
-    one of them has finished; a module re-entered (a registered forward method calling
-    ``forward``) counts once. ``handles`` are the door's hooks on the modules (forward
-    pre-hook, forward hook, load-state-dict pre-hook, per module). While the state's hooks are
-    suspended (``fsdp_core.suspend_hooks``) both hooks pass everything through: a switch
-    rather than removing them through the handles, so that they keep their place among the
-    user's hooks on the same modules.
+    [Note: grouped modules]
+    ``fully_shard([a, b])`` makes one unit of several modules. Inside the root's forward the
+    unit unshards when the first of them starts and reshards when every one has finished; a
+    module re-entered (a registered forward method calling ``forward``) counts once. As in
+    FSDP2, the forward may run only some of them (chunked loss: ``fully_shard([norm,
+    head])`` with the model's forward running ``norm`` only): when the root's forward ends,
+    such a unit is completed (resharded as after its forward; the outputs of the modules that
+    ran already carry its pre-backward hook). A module of a group called on its own outside the
+    root's forward (``head`` per chunk) is a forward of the unit by itself: unshard, run,
+    reshard, and its backward reduces what it produced. Every module of a group casts its
+    inputs and outputs by the unit's ``mp_policy``.
+
+    ``handles`` are the door's hooks on the modules (forward pre-hook, forward hook,
+    load-state-dict pre-hook, per module). While the state's hooks are suspended
+    (``fsdp_core.suspend_hooks``) both hooks pass everything through: a switch rather than
+    removing them through the handles, so that they keep their place among the user's hooks on
+    the same modules.
     """
 
     def __init__(self, state: FSDPState, modules: list[nn.Module]) -> None:
@@ -211,25 +301,54 @@ class ForwardHooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.state.hooks_suspended:
             return args, kwargs
+        if self.state.training_state is TrainingState.PRE_BACKWARD:
+            return self.state.pre_forward(args, kwargs)  # a recompute inside backward
         if not self._remaining:
-            self._remaining = {id(m) for m in self.modules}
+            root = self.state.root  # a module of a group called outside the root's forward:
+            alone = (
+                root is not None
+                and root is not self.state
+                and root.training_state is not TrainingState.FORWARD
+            )
+            self._remaining = {id(module)} if alone else {id(m) for m in self.modules}
             args, kwargs = self.state.pre_forward(args, kwargs)
+        else:
+            args, kwargs = self.state.cast_forward_inputs(args, kwargs)
         self._depth[id(module)] = self._depth.get(id(module), 0) + 1
         return args, kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.state.hooks_suspended:
             return output
+        if self.state.training_state is TrainingState.PRE_BACKWARD:
+            return self.state.post_forward(output)
         depth = self._depth.get(id(module), 0) - 1
         self._depth[id(module)] = depth
         if depth > 0:
             return output
         self._remaining.discard(id(module))
         if self._remaining:
+            output = self.state.cast_output(output)
             if torch.is_grad_enabled():
                 self.state.hook_outputs(output)
             return output
+        if self.state.is_root:
+            for state in self.state.all_states:
+                hooks = state.owner.__dict__.get("_fsdp_forward_hooks")
+                if hooks is not None and hooks is not self and hooks._remaining:
+                    hooks.complete()
         return self.state.post_forward(output)
+
+    def complete(self) -> None:
+        """End a forward that ran only some of the modules. See [Note: grouped modules]."""
+        self._remaining.clear()
+        self._depth.clear()
+        self.state.post_forward(None)
+
+    def reset(self) -> None:
+        """Forget a forward an exception interrupted."""
+        self._remaining.clear()
+        self._depth.clear()
 
 
 def load_full_tensors_hook(module: nn.Module, state: FSDPState) -> Any:

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch import nn
 
-from .. import _init
 from .._post_forward import PostForwardShards, post_forward_group
 from .._runtime import FSDPState, RuntimeConfig
 from .._unit import FSDPUnit
@@ -30,6 +29,7 @@ from ._build import (
     validate_policies,
 )
 from ._fsdp_module import resolve_reshard_after_forward
+from ._placement import ShardPlacementFn, ValueAssertionError, validate_params
 
 __all__ = ["fully_shard"]
 
@@ -40,7 +40,8 @@ def fully_shard(
     module: M | list[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
@@ -66,10 +67,15 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and
             all-gathers them again in backward; ``False`` keeps them; an int ``N`` dividing
             the shard world size keeps a copy sharded over groups of ``N`` ranks so the
-            backward all-gather stays inside them. Default ``True``; the root keeps its
-            parameters when left at the default (backward needs them first), as FSDP2 does
-            (``None``, torch 2.13's default, means the same; ``root.set_reshard_after_forward``
-            overrides it).
+            backward all-gather stays inside them. Default ``None``, as in FSDP2: ``True``
+            for every module but the root, which keeps its parameters (backward needs them
+            first); an explicit ``True`` or int applies to the root too, and
+            ``root.set_reshard_after_forward`` changes it later.
+        shard_placement_fn: ``fn(param)`` returning ``Shard(dim)`` to shard that parameter on
+            ``dim`` (negative counts from the end), or ``None`` for dim 0 (default ``None``:
+            dim 0 for all). A dim other than 0 must divide evenly by the shard world size;
+            the ``DTensor`` shows ``Shard(dim)``. See [Note: sharding on another dim] in
+            ``fsdp_core/_param.py``.
         mp_policy: a ``MixedPrecisionPolicy`` (default: full precision).
         offload_policy: ``OffloadPolicy()`` (default, none) or ``CPUOffloadPolicy()``.
         ignored_params: parameters to leave unsharded and unreduced (default ``None``).
@@ -91,7 +97,7 @@ def fully_shard(
         "fully_shard",
         modules,
         ignored,
-        lambda owned: _init.validate_no_scalars("fully_shard", owned),
+        lambda owned: validate_params("fully_shard", owned),
     )
 
     def keep_after_forward(made: FSDPUnit) -> None:
@@ -102,6 +108,7 @@ def fully_shard(
         modules,
         mesh,
         replicate=False,
+        shard_placement_fn=shard_placement_fn,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         then=keep_after_forward,
@@ -110,16 +117,14 @@ def fully_shard(
     param_dtype = mp_policy.param_dtype
     config = RuntimeConfig(
         reshard_after_forward=rsf,
-        # The default (True, or None as in torch 2.13) leaves the root's parameters gathered
-        # after forward; an int applies to the root too.
-        reshard_root_after_forward=(
-            reshard_after_forward is not None
-            and reshard_after_forward is not True
-            and rsf is not False
-        ),
+        # The default (None, as in torch 2.13) leaves the root's parameters gathered after
+        # forward; an explicit True or int applies to the root too.
+        reshard_root_after_forward=reshard_after_forward is not None and rsf is not False,
         limit_all_gathers=True,
         input_dtype=param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
+        cast_inputs_always=True,  # as FSDP2
+        api="fully_shard",
     )
     attach("fully_shard", modules, FSDPState(modules[0], unit, config), make_unit, "FSDP")
     return module
@@ -134,11 +139,17 @@ def _resolve_mesh(
         mesh = _data_parallel_mesh(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP), got a {mesh.ndim}-D mesh "
-            f"{mesh}; a 2-D mesh's dims are ('replicate', 'shard'). Pass init_device_mesh(type, "
-            "(world,)), slice the data-parallel dimensions out of yours (mesh['replicate', "
-            "'shard']), or name them with dp_mesh_dims=DataParallelMeshDims(shard=..., "
-            "replicate=...)."
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: mesh must be 1-D (FSDP) "
+            f"or 2-D (HSDP), got a {mesh.ndim}-D mesh; a 2-D mesh's dims are ('replicate', "
+            "'shard'). Pass init_device_mesh(type, (world,)), slice the data-parallel "
+            "dimensions out of yours (mesh['replicate', 'shard']), or name them with "
+            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)."
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueAssertionError(
+            f"fully_shard: Please init the 2D mesh for HSDP with mesh_dim_names specified, got "
+            f"{mesh}: dim 0 replicates and dim 1 shards, e.g. init_device_mesh(type, (replicas, "
+            "shard), mesh_dim_names=('replicate', 'shard'))."
         )
     return mesh
 

@@ -105,6 +105,8 @@ def replicate(
         limit_all_gathers=True,
         input_dtype=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
+        cast_inputs_always=True,  # as FSDP2
+        api="replicate",
     )
     attach("replicate", modules, FSDPState(modules[0], unit, config), make_unit, "Replicate")
     return module
@@ -115,5 +117,6 @@ def _validate_no_scalars(specs: list[Any]) -> None:
     if scalars:
         raise ValueError(
             f"replicate doesn't support scalar parameters {scalars}: a unit keeps each "
-            "parameter as rows of dim 0. Change each to a 1D tensor with numel equal to 1."
+            f"parameter as rows of dim 0. Change {', '.join(scalars)} to a 1D tensor with numel "
+            "equal to 1."
         )

@@ -14,11 +14,11 @@ parameter belongs to the unit of the lowest common ancestor of all its users.
   without it (one all-gather of its values; its remaining parameters are sharded again) and the
   parent's unit takes it, with every slot. Since ``fully_shard`` runs bottom-up, the first
   ancestor to see all slots is the lowest common one.
-- A parameter whose users never get a common sharded ancestor stays with the first unit and
-  the other users see its original, unsharded and untrained: shard the common ancestor (the
-  root, usually).
+- A parameter whose users never get a common sharded ancestor would stay with the first unit
+  while the other users see its original, unsharded and untrained: the root's lazy init raises
+  FSDP2's ``ValueError`` naming it (``_replaced.refuse_unowned_shared``).
 
-torch's FSDP2 raises on such a model instead.
+torch's FSDP2 raises on every such model, also when an enclosing module is sharded.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._param import ParamSpec, ShardedParam
+from .._replaced import _TAKEN, mark_taken, taken
 from .._runtime import FSDPState, state_of
 from .._unit import FSDPUnit
 
@@ -37,19 +38,6 @@ __all__ = ["UnitFactory", "mark_taken", "move_shared_params", "taken"]
 
 UnitFactory = Callable[[list[ParamSpec]], FSDPUnit]
 """Builds a unit of the given parameters with the options its ``fully_shard`` call had."""
-
-_TAKEN = "_fsdp_taken_by"
-
-
-def mark_taken(specs: list[ParamSpec], unit: FSDPUnit) -> None:
-    """Mark each original parameter in ``specs`` as taken by its ``ShardedParam`` in ``unit``."""
-    for spec, sharded in zip(specs, unit.params, strict=True):
-        setattr(spec.param, _TAKEN, sharded)
-
-
-def taken(param: nn.Parameter) -> bool:
-    """Whether a unit already took this original parameter."""
-    return isinstance(getattr(param, _TAKEN, None), ShardedParam)
 
 
 @dataclass

@@ -92,10 +92,12 @@ def apply_with_full_params(module: ModuleT, fn: Callable[[nn.Module], None]) -> 
     if state is None:
         raise AssertionError(f"[rank {dist.get_rank()}] apply_with_full_params needs FSDP")
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
-        raise RuntimeError(
+        raise ValueError(  # torch's type and words
             "FullyShardedDataParallel.apply(fn) on the instance wrapping "
             f"{type(getattr(module, 'module', module)).__name__} was called inside "
-            "summon_full_params of the same instance. apply gathers the full parameters "
+            "summon_full_params of the same instance: it was expected to be in states "
+            f"[{TrainingState.IDLE}] but current state is {state.training_state}. apply "
+            "gathers the full parameters "
             "itself: call it outside the summon_full_params context, or inside it call fn "
             "on each module yourself "
             "(for m in module.modules(): fn(m)), which sees the summoned parameters."

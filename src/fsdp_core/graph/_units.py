@@ -129,11 +129,14 @@ def _validate_policies(api: str, modules: dict[str, nn.Module], views: dict[str,
         if view.replicate_size > 1:
             kind = "2-D mesh" if view.door == "fully_shard" else view.door
             unsupported.append(f"{name or '<root>'} ({kind})")
+        if any(p.shard_dim != 0 for p in view.params):
+            unsupported.append(f"{name or '<root>'} (shard_placement_fn)")
     if unsupported:
         raise NotImplementedError(
             f"{api} does not trace mixed precision, CPU offload, hybrid sharding or replicate "
-            f"yet; units {unsupported} use them. Shard those modules with fully_shard on a 1-D "
-            "mesh with the default MixedPrecisionPolicy() and OffloadPolicy(), or train this "
+            f"yet, nor a shard_placement_fn dim other than 0; units {unsupported} use them. Shard "
+            "those modules with fully_shard on a 1-D mesh with the default "
+            "MixedPrecisionPolicy(), OffloadPolicy() and shard_placement_fn, or train this "
             "model in eager mode."
         )
 
