@@ -5,6 +5,7 @@ See [Note: order check] in ``fsdp_core._order_check``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -285,3 +286,38 @@ def test_cuda_swap_fails_at_the_end_of_that_iteration(rank, process_group, devic
     assert "rank 1 all-gathered 'b' for forward" in message, message
     messages = _messages_on_every_rank(message, process_group)
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("door", ["FullyShardedDataParallel", "fully_shard"])
+@pytest.mark.distributed(world_size=64, mode="fake")
+def test_a_fake_world_trains_on_fake_tensors_without_comparing_tags(rank, world_size, door):
+    """Over torch's fake backend collectives move nothing, so other ranks' tags are never
+    there to compare: steps on fake tensors (no data to read) and on real ones (outputs left
+    as they were) run, with every collective still issued and tagged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_core import fully_shard
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # made from real tensors
+    for fake in (True, False):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            model: nn.Module = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 5))
+            if door == "fully_shard":
+                fully_shard(model[0], mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            else:
+                model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+            calls = []
+            with events.subscribe(
+                lambda e: calls.append(e.op) if isinstance(e, events.Collective) else None
+            ):
+                for _ in range(2):
+                    model(torch.randn(4, 8)).sum().backward()
+        # Per step, two reductions and the all-gathers: fully_shard's root keeps its
+        # parameters for backward, so 1 + 2 (FULL_SHARD); the wrapper's root owns none, so its
+        # two Linear units 2 + 2.
+        gathers = 3 if door == "fully_shard" else 4
+        per_step = ["all_gather_single"] * gathers + ["reduce_scatter_single"] * 2
+        assert sorted(calls) == sorted(per_step * 2), (fake, calls)
+        assert all(view.order_check for view in unit_views(model))
