@@ -308,12 +308,11 @@ def test_a_fake_world_trains_on_fake_tensors_without_comparing_tags(rank, world_
                 fully_shard(model, mesh=mesh)
             else:
                 model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
-            calls = []
-            with events.subscribe(
-                lambda e: calls.append(e.op) if isinstance(e, events.Collective) else None
-            ):
+            seen: list[events.Event] = []
+            with events.subscribe(seen.append):
                 for _ in range(2):
                     model(torch.randn(4, 8)).sum().backward()
+        calls = [e.op for e in seen if isinstance(e, events.Collective)]
         # Per step, two reductions and the all-gathers: fully_shard's root keeps its
         # parameters for backward, so 1 + 2 (FULL_SHARD); the wrapper's root owns none, so its
         # two Linear units 2 + 2.
