@@ -48,8 +48,10 @@ def copy_to_host(
     unit: str,
     pin: bool,
 ) -> torch.Tensor:
-    """A CPU copy of the reduced gradient shard ``grad``, complete when this returns."""
-    host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=pin)
+    """A CPU copy of the reduced gradient shard ``grad``, complete when this returns (a meta
+    copy of a meta shard: planning on the meta device, ``device_id="meta"``, has no host)."""
+    host_device = "meta" if grad.is_meta else "cpu"
+    host = torch.empty(grad.shape, dtype=grad.dtype, device=host_device, pin_memory=pin)
     if streams is None:
         host.copy_(grad)
     else:

@@ -247,11 +247,13 @@ class FSDPState:
             unit.order_tags = order.checker.for_unit(order.index(self)) if enabled else None
 
     def _validate_offloaded_devices(self) -> None:
-        """Offloaded shards must stay on the CPU (the module was not moved after wrapping)."""
+        """Offloaded shards must stay on the CPU (the module was not moved after wrapping).
+        A unit computing on the meta device (``device_id="meta"``, planning) has no host: its
+        shards stay on meta too."""
         moved: dict[str, list[str]] = {}
         for state in self.all_states:
             unit = state.unit
-            if unit is None or not unit.offload_params:
+            if unit is None or not unit.offload_params or unit.device.type == "meta":
                 continue
             for p in unit.params:
                 # ``module.to()`` may move the shard in place or swap in a new Parameter.

@@ -84,7 +84,9 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: parameters, or modules, FSDP does not manage (default ``None``);
             exclusive with ``ignored_modules``.
         device_id: device to move the module to before sharding, which is also the compute
-            device (default ``None``: the parameters' device).
+            device (default ``None``: the parameters' device). ``"meta"`` keeps a module
+            built on the meta device there (no materialization): sharding and steps then
+            allocate nothing, for planning.
         sync_module_states: broadcast parameters and buffers from rank 0 of the group before
             sharding (default ``False``).
         forward_prefetch: gather the next unit in forward order when a unit's forward starts
