@@ -11,12 +11,14 @@ from typing import Any
 from ._matrix import AXES, MODELS
 
 __all__ = [
+    "BACKENDS",
     "ENGINES",
     "OPTIMIZERS",
     "InputSpec",
     "ModelSpec",
     "PlanError",
     "PlanRequest",
+    "parse_input_shape",
     "parse_mesh",
     "parse_model",
     "parse_request",
@@ -25,8 +27,11 @@ __all__ = [
 #: The engines the planner reads (both read through ``fsdp_core.unit_views``).
 ENGINES = ("fsdp_core", "fsdp_core_fully_shard")
 
-#: Optimizers ``optim_bytes`` is counted for; see :data:`OPTIMIZER_STATE`.
+#: Optimizers ``optim_bytes`` is counted for (``_plan_build.make_optimizer``).
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
+
+#: Backends whose collective buffers the peak counts (``_plan_memory.StorageCounter``).
+BACKENDS = ("gloo", "nccl")
 
 #: Why the other engines are refused: the planner reads fsdp_core's views of its units.
 _REFUSED = {
@@ -88,6 +93,7 @@ class PlanRequest:
         offload: parameters offloaded to the CPU.
         engine: one of :data:`ENGINES`.
         optim: one of :data:`OPTIMIZERS`.
+        backend: one of :data:`BACKENDS` (what the collectives hold while they run).
         wrap: class names of the submodules of a user's model that become units.
         inputs: the inputs of a user's model without ``get_input``.
         rank: the rank the fake world plays (0; tests play others to check the arithmetic).
@@ -102,6 +108,7 @@ class PlanRequest:
     offload: bool = False
     engine: str = "fsdp_core"
     optim: str = "adam"
+    backend: str = "gloo"
     wrap: tuple[str, ...] = ()
     inputs: tuple[InputSpec, ...] = ()
     rank: int = 0
@@ -175,7 +182,8 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def _input(text: str) -> InputSpec:
+def parse_input_shape(text: str) -> InputSpec:
+    """``SHAPE[:DTYPE]`` (``--input-shape``): one positional input of a user's model."""
     shape_text, _, dtype = text.partition(":")
     dtype = _DTYPE_ALIASES.get(dtype.strip(), dtype.strip()) or "float32"
     try:
@@ -248,6 +256,7 @@ def parse_request(args: Any) -> PlanRequest:
         offload=_choice("offload", args.offload, AXES["offload"]) == "on",
         engine=engine,
         optim=_choice("optim", args.optim, OPTIMIZERS),
+        backend=_choice("backend", args.backend, BACKENDS),
         wrap=wrap,
-        inputs=tuple(_input(text) for text in args.input_shape or ()),
+        inputs=tuple(parse_input_shape(text) for text in args.input_shape or ()),
     )

@@ -9,10 +9,15 @@ storage counts from the op that makes it until it is freed (a weak reference's c
 when), and a storage resized in place (the engine frees unsharded parameters with
 ``untyped_storage().resize_(0)``) counts at its new size. Storages alive before the step (the
 sharded parameters, last step's gradients, the optimizer state, buffers) are handed to it with
-:meth:`StorageCounter.hold`, so the count is everything the rank holds. What it leaves out is
-what a caching-free allocator would not show either: temporaries inside one op and allocator
-slack. The high-water mark is labelled with the phase of the step and the last unit event
-(:mod:`fsdp_core.events`), e.g. ``backward, after unshard of layers.1``.
+:meth:`StorageCounter.hold`, so the count is everything the rank holds. The backend's own
+buffers are not tensors the step sees: gloo stages an all-gather's output and a reduce-scatter's
+input in a buffer of their size while the collective runs, so each such collective (an
+``fsdp_core.events.Collective``) counts that much on top, for its duration (``--backend nccl``:
+nothing; NCCL works in place). What it leaves out is what a caching-free allocator would not
+show either: temporaries inside one op and allocator slack (and, on CUDA, the caching
+allocator and stream-ordered frees). The high-water mark is labelled with the phase of the step
+and the last unit event (:mod:`fsdp_core.events`), e.g. ``backward, in reduce_scatter_single
+of layers.1``.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ class StorageCounter(TorchDispatchMode):
     :attr:`phase` as the step goes on and feed it the engine's events (:meth:`on_event`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, backend: str = "gloo") -> None:
         super().__init__()
+        self.backend = backend
         self.alive = 0
         self.peak = 0
         self.peak_at = ""
@@ -126,6 +132,17 @@ class StorageCounter(TorchDispatchMode):
         super().__exit__(*exc)
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
+    def workspace(self, op: str, nbytes: int) -> int:
+        """Bytes the backend holds while collective ``op`` of ``nbytes`` (all-gather output,
+        reduce-scatter input) runs: gloo stages an all-gather's output and a reduce-scatter's
+        input in a buffer of their size (``benchmarks/plan_vs_measured.py`` measures it);
+        NCCL works in place."""
+        if self.backend != "gloo":
+            return 0
+        if "all_gather" in op or "reduce_scatter" in op:
+            return nbytes
+        return 0
+
     # -- where in the step ----------------------------------------------------------------------
 
     def on_event(self, event: Any) -> None:
@@ -141,3 +158,8 @@ class StorageCounter(TorchDispatchMode):
             self._last_event = f"after reshard of {event.unit or '<root>'}"
         elif kind == "Collective":
             self._last_event = f"in {event.op} of {event.unit or '<root>'}"
+            # The backend's own buffer while the collective runs: see [Note: counting
+            # storages].
+            workspace = self.workspace(event.op, event.bytes)
+            self._grow(workspace)
+            self.alive -= workspace

@@ -91,7 +91,8 @@ def print_plan(console: Console, plan: Plan) -> None:
         console,
         f"fsdp-testing plan: {request.model.text} on {request.world_size} ranks{mesh}, "
         f"{request.strategy}, prefetch {request.prefetch}, mp {request.mp}, offload "
-        f"{'on' if request.offload else 'off'}, {request.engine}, optimizer {request.optim}",
+        f"{'on' if request.offload else 'off'}, {request.engine}, optimizer {request.optim}, "
+        f"{request.backend}",
     )
     echo(
         console,

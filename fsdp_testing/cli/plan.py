@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._matrix import AXES
-from ._plan_args import ENGINES, OPTIMIZERS, PlanError, PlanRequest, parse_request
+from ._plan_args import BACKENDS, ENGINES, OPTIMIZERS, PlanError, PlanRequest, parse_request
 
 if TYPE_CHECKING:
     from ._plan_cost import Measured, RankCost
@@ -63,6 +63,11 @@ def add_parser(subparsers: Any) -> None:
         default="adam",
         help=f"the optimizer whose state optim_bytes counts: {', '.join(OPTIMIZERS)} "
         "(default adam)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="gloo",
+        help=f"{', '.join(BACKENDS)}: whose collective buffers the peak counts (default gloo)",
     )
     parser.add_argument(
         "--wrap",
@@ -184,7 +189,7 @@ def make_plan(request: PlanRequest) -> Plan:
         built = build(request, mode)
         with built.stepping():
             train_step(built)  # lazy init, the units' order, the optimizer state
-            counter, log = StorageCounter(), CollectiveLog()
+            counter, log = StorageCounter(backend=request.backend), CollectiveLog()
             counter.hold(_resident(built))
             with events.subscribe(counter.on_event), log.watching(), counter:
                 train_step(built, counter)
