@@ -33,6 +33,7 @@ __all__ = [
     "Built",
     "FakeWorldEngine",
     "build",
+    "fake_tensors",
     "fake_world",
     "make_optimizer",
     "shard_model",
@@ -76,6 +77,28 @@ def _mesh(group: Any = None, grid: tuple[int, int] | None = None) -> Any:
             return DeviceMesh.from_group(group, "cpu")
         ranks = torch.arange(grid[0] * grid[1]).view(*grid)
         return DeviceMesh("cpu", ranks, mesh_dim_names=("replicate", "shard"))
+
+
+@contextlib.contextmanager
+def fake_tensors(mode: Any) -> Iterator[None]:
+    """Inside ``mode`` (a ``FakeTensorMode``), with ``DeviceMesh.mesh`` computed from real
+    tensors: a mesh keeps its ranks in a tensor, which fake tensors have no values for. See
+    [Note: a fake world]."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.mesh
+
+    def mesh(self: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return original.fget(self)  # type: ignore[attr-defined]
+
+    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign, assignment]
+    try:
+        with mode:
+            yield
+    finally:
+        DeviceMesh.mesh = original  # type: ignore[method-assign]
 
 
 def to_fake(module: nn.Module) -> None:
@@ -138,7 +161,7 @@ class FakeWorldEngine:
         # (the composable door). See [Note: a fake world].
         if not self._composable:
             return self._wrap(module, process_group, {**fsdp_kwargs, "device_id": "meta"})
-        with self.mode, torch.device("cpu"):
+        with fake_tensors(self.mode), torch.device("cpu"):
             to_fake(module)
             return self._wrap(module, process_group, fsdp_kwargs)
 
@@ -210,8 +233,8 @@ class Built:
     mode: Any  # the fake tensor mode to step in, or None (the meta device)
 
     def stepping(self) -> contextlib.AbstractContextManager[Any]:
-        """Where steps run: inside the fake tensor mode, if the model needs one."""
-        return self.mode if self.mode is not None else contextlib.nullcontext()
+        """Where steps run: in :func:`fake_tensors`, if the model needs them."""
+        return fake_tensors(self.mode) if self.mode is not None else contextlib.nullcontext()
 
 
 def _sizes(cls: type, spec_kwargs: tuple[tuple[str, Any], ...], text: str) -> dict[str, Any]:
