@@ -3,19 +3,21 @@ and the unittest base classes share.
 
 Each mode is one launcher behind the small :class:`Launcher` protocol (``_launch/base.py``):
 ``process`` (the warm pool of forked rank processes, ``_launch/pool.py``), ``thread``/``fake``
-(``_launch/threads.py``), and, when pytest itself runs on every rank of a torchrun job, the
-in-place launcher (``_launch/torchrun.py``). Launchers are created on first use and live until
-:func:`shutdown` (called when the test session ends).
+(``_launch/threads.py``), and, when pytest runs on every process of a launched job (torchrun,
+srun, a PyTorchJob), the job's ranks (``_launch/job.py``, started by :func:`start_job`).
+Launchers are created on first use and live until :func:`shutdown` (called when the test
+session ends).
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 
 from fsdp_testing._launch.base import Launcher
 from fsdp_testing._launch.spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
-from fsdp_testing._launch.torchrun import in_launched_job
+from fsdp_testing._launch.torchrun import job_env
 from fsdp_testing._protocol import Task
 from fsdp_testing._report.verdict import Verdict, VerdictOutcome, judge
 
@@ -25,12 +27,14 @@ __all__ = [
     "UnavailableBackend",
     "Verdict",
     "VerdictOutcome",
+    "finish_job",
     "get_launcher",
     "resolve_backend",
     "run_distributed",
     "session_settings",
     "set_session_settings",
     "shutdown",
+    "start_job",
 ]
 
 
@@ -82,11 +86,16 @@ def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # In a launched job each rank uses the GPU of its local rank on its own node: what this
+    # node must have is one device per process the launcher started here.
+    needed = spec.world_size
+    if _JOB in _launchers and spec.mode is Mode.PROCESS:
+        needed = min(spec.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if backend is None:
-        return "nccl" if gpus >= spec.world_size else "gloo"
-    if backend == "nccl" and gpus < spec.world_size:
+        return "nccl" if gpus >= needed else "gloo"
+    if backend == "nccl" and gpus < needed:
         raise UnavailableBackend(
-            f"nccl with world_size={spec.world_size} needs {spec.world_size} CUDA devices; "
+            f"nccl with world_size={spec.world_size} needs {needed} CUDA devices; "
             f"this machine has {gpus}"
         )
     return backend
@@ -94,6 +103,7 @@ def resolve_backend(spec: DistSpec, default: str | None = None) -> str:
 
 _launchers: dict[str, Launcher] = {}
 _settings = LaunchSettings()
+_JOB = "job"
 
 
 def set_session_settings(settings: LaunchSettings) -> None:
@@ -107,17 +117,40 @@ def session_settings() -> LaunchSettings:
     return _settings
 
 
+def start_job(*, report: str = "rank 0's terminal") -> None:
+    """Make this process the coordinator of the launched job it belongs to (the pytest plugin
+    calls it on the job's first process; the others serve as slots, see ``_launch/job.py``):
+    from now on process-mode tests run on the job's ranks.
+
+    Args:
+        report: where the report is, as the other nodes' one line says (default
+            ``"rank 0's terminal"``).
+    """
+    job = job_env()
+    if job is None or _JOB in _launchers:
+        return
+    from fsdp_testing._launch.job import JobLauncher
+
+    _launchers[_JOB] = JobLauncher(job, report=report)
+
+
+def finish_job(exit_status: int) -> None:
+    """Release the job's other processes, which exit with ``exit_status`` (the session's)."""
+    launcher = _launchers.get(_JOB)
+    if launcher is not None:
+        from fsdp_testing._launch.job import JobLauncher
+
+        assert isinstance(launcher, JobLauncher)
+        launcher.release(exit_status)
+
+
 def get_launcher(mode: Mode) -> Launcher:
-    """The session's launcher for ``mode``, created on first use. Inside a torchrun job every
-    process-mode test runs in place (see ``_launch/torchrun.py``)."""
-    key = "torchrun" if mode is Mode.PROCESS and in_launched_job() else mode.value
+    """The session's launcher for ``mode``, created on first use. In a launched job (after
+    :func:`start_job`) every process-mode test runs on the job's ranks."""
+    key = _JOB if mode is Mode.PROCESS and _JOB in _launchers else mode.value
     launcher = _launchers.get(key)
     if launcher is None:
-        if key == "torchrun":
-            from fsdp_testing._launch.torchrun import TorchrunLauncher
-
-            launcher = TorchrunLauncher()
-        elif mode is Mode.PROCESS:
+        if mode is Mode.PROCESS:
             from fsdp_testing._launch.pool import ProcessLauncher
 
             launcher = ProcessLauncher()

@@ -20,7 +20,7 @@ from fsdp_testing._launch.spec import (
     Mode,
     parse_marker,
 )
-from fsdp_testing._launch.torchrun import in_launched_job, launched_rank, launched_world_size
+from fsdp_testing._launch.torchrun import job_env
 from fsdp_testing._protocol import ENGINE_ENV, RANK_FIXTURES, FunctionRef, RankFixture, Task
 
 __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
@@ -28,6 +28,7 @@ __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 _WS_PARAM = "_fsdp_testing_world_size"
 _settings_key = pytest.StashKey["Any"]()
 _engine_env_key = pytest.StashKey["str | None"]()
+_exit_status_key = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -122,6 +123,59 @@ def pytest_configure(config: pytest.Config) -> None:
 
         set_session_settings(settings)
         _select_engine(config)
+        _start_job(config)
+
+
+# --- a launched job (torchrun, srun, a PyTorchJob): see docs/multinode.md -------------------
+
+
+def _job() -> Any:
+    try:
+        return job_env()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    # Every process of a launched job but the first serves ranks of the first one's session
+    # instead of running a session of its own (see [Note: jobs across nodes] in _launch/job.py).
+    job = _job()
+    if job is None or job.rank == 0 or config.option.help or config.option.version:
+        return None
+    from fsdp_testing._launch.job_slot import serve_slot
+
+    return serve_slot(job)
+
+
+def _start_job(config: pytest.Config) -> None:
+    job = _job()
+    if job is None:
+        return
+    if getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError(
+            f"fsdp_testing: -n (pytest-xdist) does not combine with {job.describe()}: its "
+            f"{job.world_size} processes already run the ranks of every distributed test; "
+            "drop -n"
+        )
+    report = "rank 0's terminal"
+    xml = getattr(config.option, "xmlpath", None)
+    if xml:
+        report += f" and the JUnit XML {os.path.abspath(os.path.expanduser(xml))}"
+    from fsdp_testing.launcher import start_job
+
+    try:
+        start_job(report=report)
+    except Exception as exc:
+        raise pytest.UsageError(
+            f"fsdp_testing: could not reach the store of {job.describe()} at "
+            f"{job.master_addr}:{job.master_port} (MASTER_ADDR:MASTER_PORT): {exc}"
+        ) from None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_exit_status_key] = int(exitstatus)
 
 
 def _configure_cpu_world_size(config: pytest.Config) -> None:
@@ -171,14 +225,6 @@ def _select_engine(config: pytest.Config) -> None:
     os.environ[ENGINE_ENV] = name
 
 
-if in_launched_job() and launched_rank() != 0:
-    # Every rank of a torchrun job runs the same session and judges the same verdicts; only
-    # rank 0 shows it. This must happen at import, before pytest's capture saves the terminal.
-    _devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(_devnull, 1)
-    os.close(_devnull)
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     import sys
 
@@ -190,7 +236,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             os.environ[ENGINE_ENV] = previous
 
     if "fsdp_testing.launcher" in sys.modules:
-        sys.modules["fsdp_testing.launcher"].shutdown()
+        launcher = sys.modules["fsdp_testing.launcher"]
+        # A session that never finished failed to configure: pytest exits with 4 then.
+        launcher.finish_job(config.stash.get(_exit_status_key, pytest.ExitCode.USAGE_ERROR))
+        launcher.shutdown()
 
 
 def _marker_specs(node: Any) -> list[DistSpec] | None:
@@ -235,17 +284,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         resolve_backend(spec, item.config.stash[_settings_key].backend)
     except UnavailableBackend as exc:
         pytest.skip(str(exc))
-    if in_launched_job():
-        if spec.mode is not Mode.PROCESS:
-            pytest.skip(
-                f"mode={spec.mode.value!r} tests do not run inside a torchrun job; run them in a "
-                "plain pytest session"
-            )
-        if spec.world_size != launched_world_size():
-            pytest.skip(
-                f"this torchrun job has world size {launched_world_size()}; the test needs "
-                f"{spec.world_size}"
-            )
+    job = _job()
+    if job is not None and spec.mode is Mode.PROCESS and spec.world_size > job.world_size:
+        pytest.skip(
+            f"{job.describe()} has world size {job.world_size}; the test needs "
+            f"{spec.world_size} (start the job with at least {spec.world_size} processes)"
+        )
 
 
 def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -58,8 +59,15 @@ def connect(address: str) -> Connection:
     return Connection(sock.detach())
 
 
-def serve(*, rank: int, spec: GenerationSpec) -> None:
-    """Join the process group as ``rank`` and run tasks from the parent; never returns."""
+def serve(
+    *,
+    rank: int,
+    spec: GenerationSpec,
+    join: Callable[[int, GenerationSpec], RankContext] | None = None,
+) -> None:
+    """Join the process group as ``rank`` and run tasks from the parent; never returns.
+    ``join`` makes the group (default: a ``FileStore`` in the generation's folder; a job across
+    nodes joins through its ``TCPStore``, see ``job_slot.py``)."""
     die_with_parent()
     log_path = os.path.join(spec.gen_dir, f"rank{rank}.log")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -74,7 +82,7 @@ def serve(*, rank: int, spec: GenerationSpec) -> None:
     conn = connect(spec.address)
     conn.send(RankHello(rank, os.getpid()))
     try:
-        ctx = _join(rank, spec)
+        ctx = (join or _join)(rank, spec)
     except BaseException:
         conn.send(RankInitFailed(rank, traceback.format_exc()))
         os._exit(1)

@@ -10,6 +10,7 @@ import importlib.util
 import linecache
 import os
 import re
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from fsdp_testing._protocol import Outcome
@@ -17,11 +18,12 @@ from fsdp_testing._report.divergence import (
     describe_divergence,
     format_records,
     injected_faults,
+    never_entered,
 )
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import rank_heading, ranks_phrase
+from fsdp_testing._report.text import rank_heading, rank_label, ranks_phrase
 
-__all__ = ["readable_stack", "timeout_report", "trim_stack"]
+__all__ = ["readable_stack", "stack_sources", "timeout_report", "trim_stack"]
 
 _HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
@@ -70,12 +72,27 @@ def _threads(text: str) -> list[tuple[str, list[_Frame]]]:
     return threads
 
 
-def readable_stack(text: str) -> str:
+def stack_sources(text: str) -> dict[str, str]:
+    """The source line of every frame of a stack dump, by ``"path:line"``, read from this
+    machine's files: a rank on another node sends them with its stack (see
+    :func:`readable_stack`)."""
+    found: dict[str, str] = {}
+    for _, frames in _threads(text):
+        for frame in frames:
+            source = linecache.getline(frame.path, frame.line).strip()
+            if source:
+                found[f"{frame.path}:{frame.line}"] = source
+    return found
+
+
+def readable_stack(text: str, sources: Mapping[str, str] | None = None) -> str:
     """A stack dump as a person reads it: outermost call first, as in a traceback; the source
     line under every frame (the dump is written from C while the rank is blocked, so the lines
-    are added here); the harness's frames dropped; runs of torch's own frames folded into one
-    line naming the outermost and innermost call. The thread that was running the test (the
-    one with test frames) comes first. Text that holds no frames is returned as it is."""
+    are added here, from ``sources`` (see :func:`stack_sources`) where the rank ran on another
+    machine, else from this machine's files); the harness's frames dropped; runs of torch's own
+    frames folded into one line naming the outermost and innermost call. The thread that was
+    running the test (the one with test frames) comes first. Text that holds no frames is
+    returned as it is."""
     threads = _threads(text)
     if not any(frames for _, frames in threads):
         return text
@@ -105,7 +122,9 @@ def readable_stack(text: str) -> str:
                     i = j
                     continue
             lines.append(f'  File "{frame.path}", line {frame.line} in {frame.func}')
-            source = linecache.getline(frame.path, frame.line).strip()
+            source = (sources or {}).get(f"{frame.path}:{frame.line}") or linecache.getline(
+                frame.path, frame.line
+            ).strip()
             if source:
                 lines.append(f"    {source}")
             i += 1
@@ -133,10 +152,16 @@ def timeout_report(obs: Observation) -> str:
     """The report of a test that hit its timeout: the collective divergence on top, then each
     running rank's stack."""
     running = sorted(obs.stragglers)
+    where = obs.where
     parts = [
         f"timed out after {obs.timeout:g} s: {ranks_phrase(running)} still running "
         f"(of world size {obs.world_size})"
     ]
+    for rank, (what, waiters) in sorted(never_entered(obs.records).items()):
+        parts.append(
+            f"{rank_label(rank, where)} hangs: it never entered {what}, which "
+            f"{ranks_phrase(waiters)} wait{'s' if len(waiters) == 1 else ''} in"
+        )
     for rank, faults in sorted(injected_faults(obs.records).items()):
         for fault in faults:
             if fault["fault"] == "hang":
@@ -147,15 +172,15 @@ def timeout_report(obs: Observation) -> str:
         )
     if obs.records:
         parts.append("\ncollective divergence:")
-        parts.extend("  " + line for line in describe_divergence(obs.records))
+        parts.extend("  " + line for line in describe_divergence(obs.records, where))
         parts.append("\nlast collectives per rank:")
-        parts.extend(format_records(obs.records))
+        parts.extend(format_records(obs.records, where=where))
     for rank in running:
-        stack = readable_stack(obs.stacks.get(rank, "(none)")).rstrip()
-        parts.append(f"\n{rank_heading(rank)} stack when the timeout hit:\n{stack}")
+        stack = readable_stack(obs.stacks.get(rank, "(none)"), obs.sources.get(rank)).rstrip()
+        parts.append(f"\n{rank_heading(rank, where)} stack when the timeout hit:\n{stack}")
     for rank, res in sorted(obs.results.items()):
         if res.outcome is Outcome.FAILED:
             parts.append(
-                f"\n{rank_heading(rank)} failed before the timeout:\n{res.message.rstrip()}"
+                f"\n{rank_heading(rank, where)} failed before the timeout:\n{res.message.rstrip()}"
             )
     return "\n".join(parts)

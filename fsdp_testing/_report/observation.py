@@ -27,3 +27,9 @@ class Observation:
     last_output: dict[int, str] = dataclasses.field(default_factory=dict)
     unstoppable: set[int] = dataclasses.field(default_factory=set)
     """Thread ranks that could not be stopped (blocked outside Python)."""
+    where: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Where each rank ran, in a job across nodes (``"node 1, local rank 1"``); empty on one
+    machine, where ``rank N`` says it all."""
+    sources: dict[int, dict[str, str]] = dataclasses.field(default_factory=dict)
+    """Per rank, the source line of each frame of its stack (``"path:line"``), read where the
+    rank ran: another node's files need not exist here."""

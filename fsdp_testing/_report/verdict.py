@@ -15,7 +15,7 @@ from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.divergence import injected_faults
 from fsdp_testing._report.hang_report import timeout_report, trim_stack
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import rank_heading, ranks_phrase
+from fsdp_testing._report.text import rank_heading, rank_label, ranks_phrase
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
 
@@ -50,7 +50,9 @@ class Verdict:
 def judge(obs: Observation) -> Verdict:
     """Decide the test's outcome from ``obs``."""
     sections = [
-        (f"output [rank {r}]", res.stdout) for r, res in sorted(obs.results.items()) if res.stdout
+        (f"output {rank_heading(r, obs.where)}", res.stdout)
+        for r, res in sorted(obs.results.items())
+        if res.stdout
     ]
     failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
     if obs.timed_out:
@@ -71,18 +73,19 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
     if not causes and failed:
         causes = {min(failed, key=lambda r: failed[r].finished_at)}
     aborted = (set(failed) | obs.stragglers) - causes
+    where = obs.where
     parts: list[str] = []
     headline = []
     faults = injected_faults(obs.records)
     for rank in sorted(causes):
         if rank in obs.dead:
-            died = f"rank {rank} {obs.exit_status.get(rank, 'exited')}"
+            died = f"{rank_label(rank, where)} {obs.exit_status.get(rank, 'exited')}"
             kills = [f for f in faults.get(rank, ()) if f["fault"] == "kill"]
             if kills:
                 died += f" at {kills[-1]['where']} (injected by faults.kill)"
             headline.append(died)
         else:
-            headline.append(f"rank {rank} failed: {failed[rank].summary}")
+            headline.append(f"{rank_label(rank, where)} failed: {failed[rank].summary}")
     text = "; ".join(headline)
     if aborted:
         text += f" ({ranks_phrase(sorted(aborted))} aborted)"
@@ -91,22 +94,22 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         if rank in obs.dead:
             out = obs.last_output.get(rank, "").rstrip()
             parts.append(
-                f"\n{rank_heading(rank)} {obs.exit_status.get(rank, 'exited')} without reporting a "
-                "result; its last output:\n" + (out[-3000:] if out else "(none)")
+                f"\n{rank_heading(rank, where)} {obs.exit_status.get(rank, 'exited')} without "
+                "reporting a result; its last output:\n" + (out[-3000:] if out else "(none)")
             )
         else:
-            parts.append(f"\n{rank_heading(rank)}\n{failed[rank].message.rstrip()}")
+            parts.append(f"\n{rank_heading(rank, where)}\n{failed[rank].message.rstrip()}")
     for rank in sorted(aborted):
         if rank in obs.stragglers:
-            where = obs.stacks.get(rank, "").rstrip()
+            stack = obs.stacks.get(rank, "").rstrip()
             parts.append(
-                f"\n{rank_heading(rank)} aborted: still running after "
+                f"\n{rank_heading(rank, where)} aborted: still running after "
                 f"{ranks_phrase(sorted(causes))} failed; it was stopped. Where it was:\n"
-                + (trim_stack(where) or "(no stack dump)")
+                + (trim_stack(stack) or "(no stack dump)")
             )
         else:
             parts.append(
-                f"\n{rank_heading(rank)} aborted: its collective broke because a peer failed: "
-                f"{failed[rank].summary}"
+                f"\n{rank_heading(rank, where)} aborted: its collective broke because a peer "
+                f"failed: {failed[rank].summary}"
             )
     return "\n".join(parts)

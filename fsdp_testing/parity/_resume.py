@@ -16,13 +16,17 @@ gradients (what the engines reduce) is the global batch's, at any world size.
 
 1. Phase A (``from_world`` ranks): build, shard, train ``num_steps`` steps, recording every
    loss (the reference); after step ``save_after`` save the model and optimizer state with
-   ``fsdp_core.checkpoint.save`` (``dcp.save`` of the state dicts of its ``get_state_dict``:
-   DCP's own for the composable door and torch's engines, the wrapper's
-   ``SHARDED_STATE_DICT`` for ``fsdp_core.FSDP``) and keep the full parameters.
+   DCP's own functions, the way a user of any engine does: ``dcp.save`` of ``{"model": ...,
+   "optim": ...}`` from ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim,
+   options=options)``, and keep the full parameters.
 2. Phase B (``to_world`` ranks): build and shard a fresh model (``resume_shard``, another door
-   if given), ``fsdp_core.checkpoint.load`` the checkpoint (``dcp.load`` into its state dicts,
-   then ``set_state_dict``), and train
-   steps ``save_after .. num_steps - 1``.
+   if given), ``dcp.load`` the checkpoint into the state dicts of its ``get_state_dict`` (same
+   options), load them with DCP's ``set_state_dict``, and train steps
+   ``save_after .. num_steps - 1``.
+
+What the model's state dict holds is the engine's business: ``DTensor`` shards for FSDP2 and
+``fully_shard``, the state dict type's layout for torch's FSDP1 (DCP picks sharded) and for
+``fsdp_core.FSDP`` (full tensors unless the ``shard`` function set ``SHARDED_STATE_DICT``).
 3. Compare, on every rank: the full parameters right after loading must equal the saved ones
    bitwise (a load moves bytes, no arithmetic); the resumed losses must equal the reference's,
    bitwise when the world size is unchanged, else within ``tolerance`` (default
@@ -83,6 +87,7 @@ def check_resume_parity(
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _adamw,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _mean_square,
     tolerance: Tolerance = FP32_TOLERANCE,
+    options: Any = None,
 ) -> ResumeReport:
     """Train at ``from_world``, checkpoint with DCP, resume at ``to_world``, compare with the
     uninterrupted run; raise ``AssertionError`` on every rank if they differ. See
@@ -104,6 +109,10 @@ def check_resume_parity(
         loss_fn: ``loss_fn(model, local_batch)``, a mean over the rows (default: mean square
             of the output).
         tolerance: for losses across different world sizes (default ``FP32_TOLERANCE``).
+        options: the ``torch.distributed.checkpoint.state_dict.StateDictOptions`` of the
+            saving and the loading calls (default ``None``: DCP's defaults, sharded values);
+            ``full_state_dict=True`` saves and loads full tensors. ``cpu_offload`` together
+            with ``full_state_dict`` is not supported (only rank 0 would get a state dict).
     """
     world = dist.get_world_size(process_group)
     if not (1 <= from_world <= world and 1 <= to_world <= world):
@@ -111,6 +120,12 @@ def check_resume_parity(
             f"check_resume_parity: from_world={from_world} and to_world={to_world} must be "
             f"between 1 and the launched world size {world}; launch "
             f"max(from_world, to_world) = {max(from_world, to_world)} ranks."
+        )
+    if options is not None and options.full_state_dict and options.cpu_offload:
+        raise ValueError(
+            "check_resume_parity: options with full_state_dict=True and cpu_offload=True give "
+            "rank 0 alone a state dict, which dcp.save/dcp.load cannot use on every rank; "
+            "drop one of the two."
         )
     if not 0 < save_after < num_steps:
         raise ValueError(
@@ -127,7 +142,7 @@ def check_resume_parity(
         for step in range(num_steps):
             reference.append(_train_step(model, optim, loss_fn, get_batch(step), group_a))
             if step + 1 == save_after:
-                _save(model, optim, checkpoint_dir, group_a)
+                _save(model, optim, checkpoint_dir, group_a, options)
                 saved = _full_state(model)
     dist.barrier(group=process_group)  # the checkpoint is complete before anyone loads it
     resumed: list[float] = []
@@ -135,7 +150,7 @@ def check_resume_parity(
     if group_b is not None:
         model = (resume_shard or shard)(build_model(), group_b)
         optim = make_optimizer(model.parameters())
-        _load(model, optim, checkpoint_dir, group_b)
+        _load(model, optim, checkpoint_dir, group_b, options)
         loaded = _full_state(model)
         for step in range(save_after, num_steps):
             resumed.append(_train_step(model, optim, loss_fn, get_batch(step), group_b))
@@ -184,28 +199,41 @@ def _train_step(
     return float(total.item()) / size
 
 
-def _save(model: nn.Module, optim: torch.optim.Optimizer, path: Any, group: Any) -> None:
-    from fsdp_core.checkpoint import save
+def _save(
+    model: nn.Module, optim: torch.optim.Optimizer, path: Any, group: Any, options: Any
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    save(model, optim, checkpoint_id=path, process_group=group)
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
 
 
-def _load(model: nn.Module, optim: torch.optim.Optimizer, path: Any, group: Any) -> None:
-    from fsdp_core.checkpoint import load
+def _load(
+    model: nn.Module, optim: torch.optim.Optimizer, path: Any, group: Any, options: Any
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    load(model, optim, checkpoint_id=path, process_group=group)
+    # The fresh model's own state dicts (DCP gives a fresh optimizer its state tensors) are
+    # what dcp.load fills, resharded to this world size.
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
+    set_state_dict(
+        model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+    )
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full copies of the model's parameters and buffers, by name (collective)."""
-    from fsdp_core.checkpoint import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model_sd, _ = get_state_dict(model, ())
-    full = {}
-    for name, value in model_sd.items():
-        gather = getattr(value, "full_tensor", None)
-        full[name] = (gather() if gather is not None else value).detach().cpu().clone()
-    return full
+    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {
+        name: value.detach().cpu().clone()
+        for name, value in model_sd.items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _compare(

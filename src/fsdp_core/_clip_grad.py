@@ -1,16 +1,16 @@
 """Gradient norm clipping over the shards of every rank.
 
 [Note: sharded gradient norm]
-A sharded unit's gradient elements are spread over its shard group without overlap, so the
-p-th power of the norm is a sum over that group (a max for the inf-norm): each rank takes its
-local part, one all-reduce (SUM, or MAX) per distinct shard group combines them, in the order
-the groups first appear among the units (the same on every rank; rows of a hybrid grid reduce
-at the same position). A hybrid unit's replicas hold the same reduced shards, so summing over
-the shard group only counts each element once, never once per replica. Gradients that every
-rank holds in full (unsharded units, parameters FSDP does not manage) are the same on every
-rank and are added locally after the all-reduce, never counted once per rank. The clip
-coefficient is ``max_norm / (total + 1e-6)`` clamped to 1, the formula of
-``torch.nn.utils.clip_grad_norm_``, so clipping here equals clipping the unsharded model up
+A sharded unit's gradient elements are spread over its shard group without overlap, so the p-th
+power of the norm is a sum over that group (a max for the inf-norm): each rank takes its local
+part (a ``DTensor`` gradient's local tensor), one all-reduce (SUM, or MAX) per distinct shard
+group combines them, in the order the groups first appear among the units (the same on every
+rank; rows of a hybrid grid reduce at the same position). A hybrid unit's replicas hold the
+same reduced shards, so summing over the shard group only counts each element once, never once
+per replica. Gradients that every rank holds in full (unsharded units, parameters FSDP does not
+manage) are the same on every rank and are added locally after the all-reduce, never counted
+once per rank. The clip coefficient is ``max_norm / (total + 1e-6)`` clamped to 1, the formula
+of ``torch.nn.utils.clip_grad_norm_``, so clipping here equals clipping the unsharded model up
 to the summation order of the norm.
 """
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._param import local_tensor
 from ._runtime import FSDPState
 
 __all__ = ["clip_grad_norm"]
@@ -59,7 +60,8 @@ def clip_grad_norm(
         if param.grad is None:
             continue
         index = next((i for i, (_, ids) in enumerate(by_group.values()) if id(param) in ids), None)
-        (local if index is None else sharded[index]).append(param.grad)
+        # The local part: a DTensor gradient's norm would be a DTensor collective of its own.
+        (local if index is None else sharded[index]).append(local_tensor(param.grad))
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     parts = [_norm_power(local, norm_type, device)]
     for (group, _), grads in zip(by_group.values(), sharded, strict=True):

@@ -2,8 +2,8 @@
 
 [Note: optimizer state dict]
 An optimizer built on an FSDP model steps the sharded parameters, so its per-parameter state
-tensors (``exp_avg``, ``momentum_buffer``, ...) have the shape of this rank's rows: plain local
-tensors on the wrapper door, ``DTensor``s on the composable door. ``optim_state_dict`` keys the
+tensors (``exp_avg``, ``momentum_buffer``, ...) are ``DTensor``s laid out like them (on both
+doors), whose local parts have the shape of this rank's rows. ``optim_state_dict`` keys the
 state by each parameter's name (``model.named_parameters()``, the unwrapped names) instead of
 the optimizer's integer index, as torch's ``FSDP.optim_state_dict`` does, and converts every
 state tensor shaped like the parameter's rows according to the model's state dict type:
@@ -35,7 +35,7 @@ from torch import nn
 
 from ._param import ShardedParam, local_tensor
 from ._runtime import FSDPState, states_in
-from ._sharded_state_dict import unit_dtensor
+from ._sharded_state_dict import same_layout, unit_dtensor
 from ._unit import FSDPUnit
 from .api import FullOptimStateDictConfig, StateDictType
 
@@ -145,7 +145,7 @@ def _to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
         converted = {}
         for key, value in per_param.items():
             if found is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
-                value = _import(f"{name}.{key}", value, param, *found)
+                value = _import(f"{name}.{key}", value, *found)
             elif isinstance(value, torch.Tensor):
                 value = value.detach().clone()  # ``step``: not shared with the source dict
             converted[key] = value
@@ -202,10 +202,8 @@ def _export(value: torch.Tensor, param: ShardedParam, unit: FSDPUnit, kind: Stat
     local = local_tensor(value).detach()
     if kind is StateDictType.LOCAL_STATE_DICT:
         return local
-    if kind is StateDictType.SHARDED_STATE_DICT:
-        if local_tensor(value) is value:  # a plain local tensor (the wrapper door)
-            return unit_dtensor(unit, local, tuple(param.full_shape))
-        return value.detach()  # the composable door's DTensor state, laid out like its param
+    if kind is StateDictType.SHARDED_STATE_DICT:  # laid out like the parameter
+        return unit_dtensor(unit, local, tuple(param.full_shape))
     return _gather_rows(local, param, unit)
 
 
@@ -220,10 +218,9 @@ def _gather_rows(local: torch.Tensor, param: ShardedParam, unit: FSDPUnit) -> to
     return torch.cat(gathered)[: param.rows]
 
 
-def _import(
-    name: str, value: torch.Tensor, param: torch.Tensor, sharded: ShardedParam, unit: FSDPUnit
-) -> torch.Tensor:
-    """``value`` (a saved state tensor) as the optimizer holds it for ``param`` on this rank."""
+def _import(name: str, value: torch.Tensor, sharded: ShardedParam, unit: FSDPUnit) -> torch.Tensor:
+    """``value`` (a saved state tensor) as the optimizer holds it for ``sharded`` on this
+    rank: a ``DTensor`` laid out like the parameter."""
     from torch.distributed.tensor import DTensor
 
     local_shape = (sharded.valid_rows, *sharded.rest)
@@ -231,15 +228,7 @@ def _import(
     if isinstance(value, DTensor):
         if tuple(value.shape) != tuple(sharded.full_shape):
             raise _shape_error(name, value, sharded)
-        mine = param
-        if not isinstance(mine, DTensor):
-            mine = unit_dtensor(
-                unit, sharded.padded_shard[: sharded.valid_rows], tuple(sharded.full_shape)
-            )
-        same = isinstance(mine, DTensor) and (
-            value.device_mesh == mine.device_mesh and value.placements == mine.placements
-        )
-        local = value.to_local() if same else value.full_tensor()[rows]
+        local = value.to_local() if same_layout(value, sharded) else value.full_tensor()[rows]
     elif tuple(value.shape) == tuple(sharded.full_shape):
         local = value[rows]
     elif tuple(value.shape) == local_shape:
@@ -247,7 +236,7 @@ def _import(
     else:
         raise _shape_error(name, value, sharded)
     local = local.to(device=sharded.padded_shard.device).clone()
-    return _dtensor_like(param, local) if isinstance(param, DTensor) else local
+    return unit_dtensor(unit, local, tuple(sharded.full_shape))
 
 
 def _shape_error(name: str, value: torch.Tensor, param: ShardedParam) -> ValueError:

@@ -28,6 +28,20 @@ Swapping which of the two a module sees is a plain ``module._parameters[name] = 
 ``sharded.requires_grad`` is the source of truth for whether the parameter trains: it is what
 users see (and freeze) between passes, and ``unsharded`` copies it on every switch to the
 unsharded form. See [Note: requires_grad changes after wrapping] in ``_unit``.
+
+[Note: the wrapper's DTensor parameters]
+Both doors show ``sharded`` as a ``DTensor`` (a :class:`DTensorLayout`): the composable door on
+the mesh it is given, the wrapper on a mesh built from its groups (``Shard(0)`` over the shard
+group; ``Replicate()`` over the group of ``NO_SHARD``; ``(Replicate(), Shard(0))`` on the 2-D
+``("replicate", "shard")`` mesh of the hybrid strategies). Its local tensor is the view into
+the flat shard, so the optimizer's state is ``DTensor``s laid out the same way, which is what
+DCP's state dict functions and ``dcp.save`` need to save, gather and reshard each rank's rows
+(see [Note: DCP's state dict functions and the wrapper] in ``_state_dict_types``). Gradients
+are ``DTensor``s of the same layout, built from the parameter's spec (no ``from_local``);
+accumulation and everything else the unit does on shards goes through :func:`local_tensor`,
+never through DTensor dispatch. For code written against torch's FSDP1 this means
+``p.shape``/``p.numel()`` of a parameter between passes are the full (global) sizes, as for
+FSDP2, where FSDP1 shows 1-D local pieces; ``p.to_local()`` is this rank's rows.
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ._groups import UnitGroups
 
 __all__ = [
     "DTensorLayout",
@@ -62,14 +78,43 @@ class ShardedState(enum.Enum):
 
 @dataclass(frozen=True)
 class DTensorLayout:
-    """How the composable door shows a sharded parameter: a ``DTensor`` on ``mesh``.
+    """How both doors show a sharded parameter: a ``DTensor`` on ``mesh``.
 
     The local tensor is still the view into the unit's flat shard, so the optimizer's in-place
-    updates land there (see [Note: sharded and unsharded parameters]).
+    updates land there (see [Note: sharded and unsharded parameters]). The composable door
+    takes the mesh it is given; the wrapper builds one from its groups (:meth:`of_groups`).
     """
 
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
-    placements: tuple[Any, ...]  # (Shard(0),), or (Replicate(), Shard(0)) for HSDP
+    placements: tuple[Any, ...]  # (Shard(0),), (Replicate(),), or (Replicate(), Shard(0)) for HSDP
+
+    @classmethod
+    def of_groups(cls, groups: UnitGroups, device_type: str) -> DTensorLayout:
+        """The layout of a unit over ``groups`` (see [Note: unit groups] in ``_groups``):
+        ``Shard(0)`` on a 1-D mesh of the shard group, ``Replicate()`` on one of the replicate
+        group, or both on a 2-D mesh ``("replicate", "shard")`` of the hybrid grid. A mesh made
+        from existing groups costs well under a millisecond, so each wrapper instance makes its
+        own (kept by its parameters, none kept beyond them)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        if groups.shard is not None and groups.replicate is not None:
+            mesh = DeviceMesh.from_group(
+                [groups.replicate, groups.shard],
+                device_type,
+                mesh=torch.tensor(groups.grid),
+                mesh_dim_names=("replicate", "shard"),
+            )
+            layout = cls(mesh, (Replicate(), Shard(0)))
+        elif groups.shard is not None:
+            layout = cls(DeviceMesh.from_group(groups.shard, device_type), (Shard(0),))
+        elif groups.replicate is not None:
+            layout = cls(DeviceMesh.from_group(groups.replicate, device_type), (Replicate(),))
+        else:
+            raise AssertionError(
+                f"[rank {dist.get_rank()}] a unit needs a shard or a replicate group"
+            )
+        return layout
 
 
 @dataclass(frozen=True)
@@ -170,6 +215,17 @@ class ShardedParam:
                 stride=_contiguous_stride(self.full_shape),
             )
 
+    def _as_sharded_grad(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's gradient rows, the parameter's dtype) in the sharded
+        parameter's form: a ``DTensor`` sharing the parameter's spec, built directly (about a
+        tenth of ``DTensor.from_local``'s cost, once per parameter and step)."""
+        if self.layout is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        spec = self.sharded._spec  # type: ignore[attr-defined]
+        return DTensor(local, spec, requires_grad=False)
+
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``full`` (``full_shape``) in the sharded parameter's form."""
         rows = full.detach()[self.start_row : self.start_row + self.valid_rows]
@@ -240,9 +296,9 @@ class ShardedParam:
         grad = shard_flat.view(self.chunk_rows, *self.rest)[: self.valid_rows]
         current = self.sharded.grad
         if current is not None:
-            local_tensor(current).add_(grad)
+            local_tensor(current).add_(grad)  # no DTensor dispatch on the hot path
         elif grad.dtype == self.sharded.dtype:
-            self.sharded.grad = self._as_sharded_tensor(grad)
+            self.sharded.grad = self._as_sharded_grad(grad)
         else:
             # keep_low_precision_grads: ``.grad`` must match the parameter's dtype when set, so
             # set a placeholder of the right dtype and swap its data for the low-precision one.
@@ -312,13 +368,10 @@ def is_sharded_param(param: torch.Tensor) -> bool:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s local part: itself, or a ``DTensor``'s local shard (sharing storage)."""
-    to_local = getattr(tensor, "to_local", None)
-    if to_local is None:
-        return tensor
-    with torch.no_grad():
-        local: torch.Tensor = to_local()
-    return local
+    """``tensor``'s local part: itself, or a ``DTensor``'s local shard (sharing storage, outside
+    autograd)."""
+    local: torch.Tensor | None = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

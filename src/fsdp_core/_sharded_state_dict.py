@@ -2,14 +2,15 @@
 
 [Note: sharded state dict]
 ``SHARDED_STATE_DICT`` gives every parameter a unit owns as a ``DTensor`` under the unwrapped
-name: the local rows of the sharded parameter (sharing its storage, so ``dcp.load`` into the
-dict writes the shards in place) with ``Shard(0)`` placement on a 1-D ``DeviceMesh`` of the
-unit's shard group (``Replicate()`` on its replicate group for ``NO_SHARD``, both on a 2-D mesh
-for hybrid sharding; a unit of one rank alone gives its full plain tensor). The ``DTensor``
-carries the global shape, so DCP (``torch.distributed.checkpoint``) can write it at one world
-size and read it back at another, and a checkpoint of the composable door (whose parameters
-are such ``DTensor``s already) loads into the wrapper and back. Buffers and ignored parameters
-are plain tensors (every rank holds the same), buffers in the dtype they had at wrap time.
+name, laid out like the sharded parameter itself (see [Note: the wrapper's DTensor parameters]
+in ``_param``): the local rows of the sharded parameter (sharing its storage, so ``dcp.load``
+into the dict writes the shards in place) with ``Shard(0)`` placement on a 1-D ``DeviceMesh``
+of the unit's shard group (``Replicate()`` on its replicate group for ``NO_SHARD``, both on a
+2-D mesh for hybrid sharding). The ``DTensor`` carries the global shape, so DCP
+(``torch.distributed.checkpoint``) can write it at one world size and read it back at another,
+and a checkpoint of the composable door (whose parameters are such ``DTensor``s already) loads
+into the wrapper and back. Buffers and ignored parameters are plain tensors (every rank holds
+the same), buffers in the dtype they had at wrap time.
 
 Loading takes, per parameter, a ``DTensor`` laid out like the parameter (its local rows are
 copied into the shard), any other ``DTensor`` of the full shape (gathered with
@@ -25,7 +26,6 @@ reshard.
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -41,65 +41,40 @@ from ._state_dict import (
     _buffer_orig_dtypes,
     _plain_state_dicts,
     copy_metadata,
+    give_metadata,
     saved_entry,
     validate_idle,
 )
 from ._unit import FSDPUnit
 
-__all__ = ["FLAT_PARAM", "load_sharded_state_dict", "sharded_state_dict", "unit_dtensor"]
+__all__ = [
+    "FLAT_PARAM",
+    "load_sharded_state_dict",
+    "same_layout",
+    "sharded_state_dict",
+    "unit_dtensor",
+]
 
 FLAT_PARAM = "_flat_param"  # torch FSDP1's key of a unit's flat shard in a local state dict
-
-_MESHES: weakref.WeakKeyDictionary[FSDPUnit, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def unit_dtensor(unit: FSDPUnit, local: torch.Tensor, shape: tuple[int, ...]) -> Any:
     """``local`` (this rank's dim-0 rows) as a ``DTensor`` of global ``shape`` laid out like
-    ``unit``'s parameters: ``Shard(0)`` over the shard group, ``Replicate()`` across the
-    replicate group, both on a 2-D mesh for hybrid sharding (see [Note: unit groups]). A unit
-    of this rank alone has no mesh: ``local`` itself (the full tensor) is returned."""
+    ``unit``'s parameters (on their mesh, with their placements; see [Note: the wrapper's
+    DTensor parameters] in ``_param``)."""
     from torch.distributed.tensor import DTensor
 
-    layout = _layout(unit, local.device.type)
+    layout = unit.params[0].layout
     if layout is None:
-        return local
-    mesh, placements = layout
+        raise AssertionError(f"[rank {dist.get_rank()}] unit {unit.name} shows no DTensors")
     return DTensor.from_local(
         local,
-        mesh,
-        placements,
+        layout.mesh,
+        layout.placements,
         run_check=False,
         shape=torch.Size(shape),
         stride=_contiguous_stride(torch.Size(shape)),
     )
-
-
-def _layout(unit: FSDPUnit, device_type: str) -> tuple[Any, tuple[Any, ...]] | None:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard
-
-    groups = unit.groups
-    meshes = _MESHES.setdefault(unit, {})
-    if device_type not in meshes:
-        if groups.shard is not None and groups.replicate is not None:
-            meshes[device_type] = DeviceMesh.from_group(
-                [groups.replicate, groups.shard],
-                device_type,
-                mesh=torch.tensor(groups.grid),
-                mesh_dim_names=("replicate", "shard"),
-            )
-        elif groups.shard is not None:
-            meshes[device_type] = DeviceMesh.from_group(groups.shard, device_type)
-        elif groups.replicate is not None:
-            meshes[device_type] = DeviceMesh.from_group(groups.replicate, device_type)
-        else:
-            meshes[device_type] = None
-    mesh = meshes[device_type]
-    if mesh is None:
-        return None
-    if mesh.ndim == 2:
-        return mesh, (Replicate(), Shard(0))
-    return mesh, ((Shard(0),) if groups.shard is not None else (Replicate(),))
 
 
 def sharded_state_dict(module: nn.Module, prefix: str = "", *, local: bool = False) -> Any:
@@ -127,8 +102,8 @@ def sharded_state_dict(module: nn.Module, prefix: str = "", *, local: bool = Fal
                 if flat_key is not None:  # where the unit's first parameter would be
                     result[flat_key] = _flat_shard_dtensor(unit, offload)
                 continue
-            shard = param.sharded.detach()
-            result[name] = unit_dtensor(unit, shard.cpu() if offload else shard, param.full_shape)
+            rows = local_tensor(param.sharded).detach()  # shares the shard's storage
+            result[name] = unit_dtensor(unit, rows.cpu() if offload else rows, param.full_shape)
             continue
         result[name] = saved_entry(value, orig_dtypes.get(name), offload)
     for unit_id, flat_key in flat_keys.items():  # units none of whose slots are in the dict
@@ -163,17 +138,11 @@ def load_sharded_state_dict(
                 _load_flat_shard(key, units[key], value)
                 handled.add(key)
             elif not local and key in params:
-                _load_param(key, *params[key], value)
+                _load_param(key, params[key][0], value)
                 handled.add(key)
             else:
                 rest[real_names.get(key, key)] = value
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        rest._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (name, metadata[clean_fqn(name)])
-            for name, _ in module.named_modules(remove_duplicate=False)
-            if clean_fqn(name) in metadata
-        )
+    give_metadata(module, state_dict, rest)
     with _plain_state_dicts(module):
         result = nn.Module.load_state_dict(module, rest, strict=False)
     covered = set(params) if local else set()  # local: the parameters come in their flat shards
@@ -240,7 +209,7 @@ def _load_flat_shard(key: str, unit: FSDPUnit, value: Any) -> None:
     unit._flat_shard.copy_(local.reshape(-1))
 
 
-def _load_param(name: str, param: ShardedParam, unit: FSDPUnit, value: Any) -> None:
+def _load_param(name: str, param: ShardedParam, value: Any) -> None:
     from torch.distributed.tensor import DTensor
 
     if not isinstance(value, torch.Tensor):
@@ -257,14 +226,21 @@ def _load_param(name: str, param: ShardedParam, unit: FSDPUnit, value: Any) -> N
         )
     rows = param.padded_shard[: param.valid_rows]
     if isinstance(value, DTensor):
-        mine = unit_dtensor(unit, rows, tuple(param.full_shape))
-        same = isinstance(mine, DTensor) and (
-            value.device_mesh == mine.device_mesh and value.placements == mine.placements
-        )
-        local = value.to_local() if same else value.full_tensor()[_rows(param)]
+        local = value.to_local() if same_layout(value, param) else value.full_tensor()[_rows(param)]
     else:
         local = value[_rows(param)]
     rows.copy_(local)
+
+
+def same_layout(value: Any, param: ShardedParam) -> bool:
+    """Whether the ``DTensor`` ``value`` is laid out like ``param``'s sharded parameter, so
+    that its local part is this rank's rows."""
+    layout = param.layout
+    return (
+        layout is not None
+        and value.device_mesh == layout.mesh
+        and tuple(value.placements) == layout.placements
+    )
 
 
 def _rows(param: ShardedParam) -> slice:

@@ -30,7 +30,14 @@ from ._full_params import summon_full_params
 from ._runtime import FSDPState, clean_fqn, state_of, states_in
 from .api import FullStateDictConfig, TrainingState
 
-__all__ = ["full_state_dict", "load_full_state_dict", "validate_idle"]
+__all__ = [
+    "copy_metadata",
+    "full_state_dict",
+    "give_metadata",
+    "load_full_state_dict",
+    "saved_entry",
+    "validate_idle",
+]
 
 IDLE = TrainingState.IDLE
 
@@ -108,18 +115,15 @@ def load_full_state_dict(
     own = state_of(module)
     if own is None:
         raise AssertionError(f"[rank {dist.get_rank()}] load_full_state_dict needs FSDP")
+    # DTensors (DCP passes them with full_state_dict=True) become full tensors first: a
+    # collective per tensor, in the state dict's order, which is the same on every rank.
+    full = OrderedDict((k, _full(v)) for k, v in state_dict.items())
     with _plain_state_dicts(module), summon_full_params(module, recurse=True, writeback=True):
         real_names = {clean_fqn(k): k for k in nn.Module.state_dict(module, keep_vars=True)}
         renamed: OrderedDict[str, Any] = OrderedDict(
-            (real_names.get(k, k), v) for k, v in state_dict.items()
+            (real_names.get(k, k), v) for k, v in full.items()
         )
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            renamed._metadata = OrderedDict(  # type: ignore[attr-defined]
-                (name, metadata[clean_fqn(name)])
-                for name, _ in module.named_modules(remove_duplicate=False)
-                if clean_fqn(name) in metadata
-            )
+        give_metadata(module, state_dict, renamed)
         result = nn.Module.load_state_dict(module, renamed, strict=False)
     missing = [clean_fqn(k) for k in result.missing_keys]
     unexpected = [clean_fqn(k) for k in result.unexpected_keys]
@@ -130,6 +134,24 @@ def load_full_state_dict(
             "module's names; pass strict=False to load a partial one."
         )
     return _IncompatibleKeys(missing, unexpected)
+
+
+def give_metadata(module: nn.Module, state_dict: Mapping[str, Any], renamed: Any) -> None:
+    """Give ``renamed`` (what ``nn.Module.load_state_dict`` gets on the wrapper tree) the
+    ``_metadata`` of ``state_dict`` under the wrapper tree's module names, which the modules'
+    ``_load_from_state_dict`` look their versions up by."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        renamed._metadata = OrderedDict(
+            (name, metadata[clean_fqn(name)])
+            for name, _ in module.named_modules(remove_duplicate=False)
+            if clean_fqn(name) in metadata
+        )
+
+
+def _full(value: Any) -> Any:
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else value
 
 
 @contextlib.contextmanager

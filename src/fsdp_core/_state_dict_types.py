@@ -10,15 +10,13 @@ and ``FSDP.optim_state_dict`` reads the optimizer configuration from the same pl
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ._runtime import FSDPState, state_of, states_in
+from ._runtime import WRAPPED_MODULE_NAME, FSDPState, state_of, states_in
 from ._sharded_state_dict import load_sharded_state_dict, sharded_state_dict
 from ._state_dict import full_state_dict, load_full_state_dict
 from .api import (
@@ -36,6 +34,7 @@ from .api import (
 )
 
 __all__ = [
+    "fqn_modifiers",
     "get_state_dict_type",
     "load_state_dict",
     "save_state_dict",
@@ -138,7 +137,6 @@ def state_dict_type(
 
 def save_state_dict(module: nn.Module, prefix: str = "") -> Any:
     """The state dict of the FSDP instance ``module`` in its current layout."""
-    _refuse_dcp_model_and_optimizer_functions(module)
     kind = _own(module).state_dict_settings.state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
         return full_state_dict(module, prefix)
@@ -149,7 +147,6 @@ def load_state_dict(
     module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
 ) -> _IncompatibleKeys:
     """Load ``state_dict`` (in the current layout) into the FSDP instance ``module``."""
-    _refuse_dcp_model_and_optimizer_functions(module)
     kind = _own(module).state_dict_settings.state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
         return load_full_state_dict(module, state_dict, strict=strict)
@@ -158,37 +155,35 @@ def load_state_dict(
 
 
 # [Note: DCP's state dict functions and the wrapper]
-# ``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` (and their
-# optimizer halves) recognise only torch's own FSDP class. On fsdp_core's wrapper they take the
-# model state as it is (full tensors: correct) but each rank's optimizer state as it is too: row
-# shards as plain tensors, which ``dcp.save`` stores as if replicated, keeping rank 0's rows for
-# every rank. Loading that checkpoint would corrupt the other ranks' optimizer state silently.
-# Those functions always pass through the model's state_dict()/load_state_dict(), so the wrapper
-# refuses there, naming fsdp_core.checkpoint (same signatures). The model-only functions
-# (get_model_state_dict/set_model_state_dict) stay allowed: their result is right.
-_DCP_STATE_DICT_FILE = os.path.join("distributed", "checkpoint", "state_dict.py")
-_DCP_FUNCTIONS_WITH_OPTIMIZER = frozenset(
-    {"get_state_dict", "set_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict"}
-)
+# ``torch.distributed.checkpoint.state_dict``'s functions (``get_state_dict``,
+# ``set_state_dict``, their model and optimizer halves) special-case only torch's own FSDP
+# class; any other model they treat as torch treats FSDP2 and DDP models, and fsdp_core's
+# wrapper gives them what that takes:
+#
+# - the model state is ``model.state_dict()`` / ``load_state_dict()`` in the layout the
+#   wrapper's ``state_dict_type`` sets (full tensors by default, ``DTensor`` shards under
+#   ``SHARDED_STATE_DICT``); a full load also takes ``DTensor``s, which is what DCP passes with
+#   ``full_state_dict=True``;
+# - the optimizer state is ``optim.state_dict()`` keyed by ``model.named_parameters()``
+#   names: the sharded parameters are ``DTensor``s (see [Note: the wrapper's DTensor
+#   parameters] in ``_param``), so the optimizer's state tensors are ``DTensor``s laid out like
+#   them, which DCP saves, gathers (``full_state_dict``) and reshards like FSDP2's;
+# - DCP walks the module tree (``named_children``) for the names of the parameters it
+#   loads optimizer state into; :func:`fqn_modifiers` tells it to leave out the wrapper's
+#   ``_fsdp_wrapped_module`` level, as ``named_parameters()`` and ``state_dict()`` do.
+#
+# DCP switches torch's FSDP class to ``SHARDED_STATE_DICT`` itself; for the wrapper the caller
+# does (``FSDP.set_state_dict_type``), or ``fsdp_core.checkpoint`` does it for the call.
 
 
-def _refuse_dcp_model_and_optimizer_functions(module: nn.Module) -> None:
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name in _DCP_FUNCTIONS_WITH_OPTIMIZER and code.co_filename.endswith(
-            _DCP_STATE_DICT_FILE
-        ):
-            raise RuntimeError(
-                f"torch.distributed.checkpoint.state_dict.{code.co_name} was called on a model "
-                f"holding fsdp_core's FullyShardedDataParallel ({type(module).__name__}): it "
-                "recognises only torch's FSDP class and would save or load each rank's "
-                "optimizer shard as if replicated (rank 0's rows for every rank). Use "
-                f"fsdp_core.checkpoint.{code.co_name} (same signature), or "
-                "fsdp_core.checkpoint.save/load; get_model_state_dict/set_model_state_dict "
-                "alone work."
-            )
-        frame = frame.f_back  # type: ignore[assignment]
+def fqn_modifiers(module: nn.Module) -> dict[str, str]:
+    """DCP's ``_fqn_modifiers`` of a wrapper instance: every name directly on the wrapped
+    module maps to the wrapper level that state dict keys leave out."""
+    wrapped = module._modules.get(WRAPPED_MODULE_NAME)
+    if wrapped is None:
+        return {}
+    names = [*wrapped._modules, *wrapped._parameters, *wrapped._buffers]
+    return dict.fromkeys(names, WRAPPED_MODULE_NAME)
 
 
 def _own(module: nn.Module) -> FSDPState:

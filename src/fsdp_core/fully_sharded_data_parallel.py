@@ -17,7 +17,7 @@ from . import wrap as _wrap
 from ._clip_grad import clip_grad_norm
 from ._full_params import apply_with_full_params
 from ._full_params import summon_full_params as _summon_full_params
-from ._param import ParamSpec
+from ._param import DTensorLayout, ParamSpec
 from ._precision import UnitPrecision
 from ._runtime import (
     WRAPPED_MODULE_NAME,
@@ -52,8 +52,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Each wrapped module owns the parameters not owned by a nested wrapped module. Between passes
     the module (and ``parameters()``, so the optimizer) sees each rank's dim-0 shard of every
-    parameter; forward and backward all-gather the full parameters once per unit and reduce
-    gradients once per unit. ``named_parameters()`` gives the original names.
+    parameter, a ``DTensor``; forward and backward all-gather the full parameters once per
+    unit and reduce gradients once per unit. ``named_parameters()`` gives the original names.
 
     Args:
         module: the module to wrap.
@@ -97,7 +97,7 @@ class FullyShardedDataParallel(nn.Module):
             prefetching: a prefetch is skipped while two or more non-root units are already
             unsharded, and that unit is gathered when it is needed instead.
         use_orig_params: accepted for compatibility; fsdp_core always exposes the original
-            parameters (as local shards), which is torch's ``use_orig_params=True`` behaviour.
+            parameters (as shards), which is torch's ``use_orig_params=True`` behaviour.
         device_mesh: instead of ``process_group``: a 1-D mesh, or for the hybrid strategies a
             2-D mesh whose dim 0 replicates and dim 1 shards (default ``None``).
     """
@@ -241,6 +241,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._unit_groups,
                 precision=UnitPrecision.resolve(policy, specs[0].param.dtype),
                 offload_params=self.cpu_offload.offload_params,
+                layout=DTensorLayout.of_groups(self._unit_groups, specs[0].param.device.type),
             )
         # Ids of the original parameters this instance and its nested instances took over.
         self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | nested
@@ -382,6 +383,7 @@ class FullyShardedDataParallel(nn.Module):
     get_state_dict_type = staticmethod(_state_dict_types.get_state_dict_type)
     optim_state_dict = staticmethod(_optim_state.optim_state_dict)
     optim_state_dict_to_load = staticmethod(_optim_state.optim_state_dict_to_load)
+    _fqn_modifiers = _state_dict_types.fqn_modifiers  # for DCP's state dict functions
 
     def state_dict(  # type: ignore[override]
         self,

@@ -63,7 +63,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         group = unit.groups.shard
         if group is None or unit.shard_world == 1:
             for sp in unit.params:
-                params[names[id(sp.sharded)]] = sp.sharded.detach().clone()
+                params[names[id(sp.sharded)]] = sp.sharded.to_local().detach().clone()
             continue
         flat = unit._flat_shard.detach()
         blocks = [torch.empty_like(flat) for _ in range(unit.shard_world)]

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_core import (
@@ -57,9 +58,17 @@ def test_summon_full_params_writeback_and_discard(rank, process_group):
             for param in model.parameters():
                 param.zero_()
         assert_same(full_params(model), shifted, tolerance=None, what="discarded")
-        # Sharded again afterwards, and training still works.
-        assert [p.shape for p in model.parameters()] != [p.shape for p in expected.values()]
+        # Sharded again afterwards (DTensor shards), and training still works.
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert [p.to_local().shape for p in model.parameters()] != [
+            p.shape for p in expected.values()
+        ]
         model(get_input("nested", rank, 0)).sum().backward()
+
+
+def _local_shapes(model):
+    """This rank's shapes of the parameters: a DTensor shard's local rows, else the shape."""
+    return [p.to_local().shape if isinstance(p, DTensor) else p.shape for p in model.parameters()]
 
 
 @pytest.mark.distributed(world_size=2)
@@ -67,15 +76,15 @@ def test_summon_full_params_options(rank, process_group):
     """recurse=False, rank0_only, offload_to_cpu, and rank0_only with writeback refused."""
     full_shapes = [p.shape for p in build("nested", rank).parameters()]
     model = wrap_model("nested", build("nested", rank), process_group)
-    sharded_shapes = [p.shape for p in model.parameters()]
+    sharded_shapes = _local_shapes(model)
     with pytest.raises(ValueError, match=r"rank0_only=True, writeback=True\) is not supported"):
         with FSDP.summon_full_params(model, rank0_only=True):
             pass
     with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
-        shapes = [p.shape for p in model.parameters()]
+        shapes = _local_shapes(model)
         assert shapes == (full_shapes if rank == 0 else sharded_shapes)
     with FSDP.summon_full_params(model, recurse=False):
-        shapes = [p.shape for p in model.parameters()]
+        shapes = _local_shapes(model)
     names = [n for n, _ in model.named_parameters()]
     for name, shape, full, sharded in zip(names, shapes, full_shapes, sharded_shapes, strict=True):
         # Only the outermost instance (the root) is summoned; the nested block stays sharded.

@@ -74,7 +74,7 @@ def test_sharded_state_dict_is_dtensor_shards_under_the_full_names(kind, rank, p
             continue
         assert isinstance(value, DTensor), name
         assert value.placements == (Shard(0),) and value.device_mesh.size() == world
-        assert value.to_local().data_ptr() == params[name].data_ptr(), name
+        assert value.to_local().data_ptr() == params[name].to_local().data_ptr(), name
         assert torch.equal(value.full_tensor(), full[name]), name
     saved = _detached_copy(sharded)
     _zero(model)
@@ -263,28 +263,43 @@ def _full_sd(model):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_dcp_functions_that_take_the_optimizer_refuse_the_wrapper(rank, process_group):
-    """DCP's get/set_state_dict would save each rank's optimizer shard as if replicated (see
-    [Note: DCP's state dict functions and the wrapper]): refused, naming fsdp_core.checkpoint.
-    The model-only function gives the right full state dict and stays allowed."""
+def test_dcp_state_dict_functions_take_the_wrapper_as_they_are(rank, process_group):
+    """DCP's own get_state_dict on the wrapper: the model state is what state_dict() gives
+    (full tensors by default, DTensor shards under SHARDED_STATE_DICT), the AdamW state is
+    DTensors laid out like the parameters under the original names; set_state_dict loads both
+    back into a zeroed model and a fresh optimizer (it finds the optimizer's parameters by
+    those names: the wrapper tells DCP to leave out its own level)."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    import fsdp_core.checkpoint as ckpt
-
     model, optim = _trained("nested", rank, process_group)
-    with pytest.raises(RuntimeError, match=r"state_dict.get_state_dict was called.*Use fsdp_core"):
-        dcp_sd.get_state_dict(model, optim)
     full = model.state_dict()
-    model_sd, optim_sd = ckpt.get_state_dict(model, optim)  # ours: the supported spelling
-    assert set(model_sd) == set(full) and optim_sd["state"]
-    with pytest.raises(RuntimeError, match=r"fsdp_core.checkpoint.set_state_dict \(same signature"):
-        dcp_sd.set_state_dict(
-            model,
-            optim,
-            model_state_dict=full,
-            optim_state_dict=optim_sd,
-            options=dcp_sd.StateDictOptions(strict=False),
-        )
-    model_only = dcp_sd.get_model_state_dict(model)
-    assert model_only.keys() == full.keys()
-    assert all(torch.equal(model_only[k], full[k]) for k in full)
+    model_sd, optim_sd = dcp_sd.get_state_dict(model, optim)
+    assert list(model_sd) == list(full)
+    assert all(not isinstance(v, DTensor) and torch.equal(v, full[k]) for k, v in model_sd.items())
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(optim_sd["state"]) == sorted(names)
+    assert optim_sd["param_groups"][0]["params"] == names
+    for name, param in model.named_parameters():
+        exp_avg = optim_sd["state"][name]["exp_avg"]
+        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
+        assert isinstance(exp_avg, DTensor) and exp_avg.placements == (Shard(0),), name
+        assert exp_avg.device_mesh == param.device_mesh
+        assert exp_avg.to_local().shape == param.to_local().shape, name
+    with FSDP.state_dict_type(model, SHARDED):
+        sharded_sd = dcp_sd.get_model_state_dict(model)
+    assert all(torch.equal(sharded_sd[k].full_tensor(), full[k]) for k in names)
+    saved_optim = {n: _detached_copy(s) for n, s in optim_sd["state"].items()}
+    expected_optim = {n: s["exp_avg"].full_tensor() for n, s in optim_sd["state"].items()}
+    _zero(model)
+    fresh_optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dcp_sd.set_state_dict(
+        model,
+        fresh_optim,
+        model_state_dict=_detached_copy(full),
+        optim_state_dict={"state": saved_optim, "param_groups": optim_sd["param_groups"]},
+    )
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in full.items())
+    loaded = dcp_sd.get_optimizer_state_dict(model, fresh_optim)
+    for name, exp_avg in expected_optim.items():
+        assert torch.equal(loaded["state"][name]["exp_avg"].full_tensor(), exp_avg), name

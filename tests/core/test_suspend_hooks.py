@@ -95,8 +95,10 @@ def test_wrapper_door_forward_calls_the_module_directly(rank, process_group):
     assert probe.seen == ["Parameter(3, 4)"]
     with suspend_hooks(model):
         assert _events_of(lambda: model(torch.randn(2, 4))) == []
-    # The flat local shard of rank 0 holds 2 of the 3 rows, rank 1 the last one.
-    assert probe.seen[-1] == f"Parameter({(2, 1)[rank]}, 4)"
+    # The module sees its sharded parameter: a DTensor of the full shape whose local shard on
+    # rank 0 holds 2 of the 3 rows, on rank 1 the last one.
+    assert probe.seen[-1] == "DTensor(3, 4)"
+    assert tuple(probe.weight.to_local().shape) == ((2, 1)[rank], 4)
 
 
 @pytest.mark.distributed(world_size=2)

@@ -34,7 +34,7 @@ def test_units_hold_padded_dim0_shards(rank, world_size, process_group):
         chunk = -(-rows // world_size)
         start = min(rank * chunk, rows)
         expected = full[name][start : min(start + chunk, rows)]
-        assert torch.equal(param, expected), name
+        assert torch.equal(param.to_local(), expected), name
     # inp.weight has 4 rows, inp.bias 4, out.weight 8; block.0.bias 16 ... and one odd case:
     assert isinstance(model.module, NestedModel)
     assert isinstance(model.module.block, FSDP) and isinstance(model.block, FSDP)  # __getattr__
@@ -55,7 +55,8 @@ def test_uneven_rows_are_padded(rank, process_group):
     ref = nn.Linear(3, 5)
     ref.load_state_dict(lin.state_dict())
     model = FSDP(lin, process_group)
-    assert model.module.weight.shape == ((2, 3), (2, 3), (1, 3), (0, 3))[rank]
+    assert model.module.weight.to_local().shape == ((2, 3), (2, 3), (1, 3), (0, 3))[rank]
+    assert model.module.weight.shape == (5, 3)  # a DTensor shows the full shape
     x = torch.randn(2, 3)
     out = model(x)
     assert torch.equal(out, ref(x))
@@ -63,7 +64,7 @@ def test_uneven_rows_are_padded(rank, process_group):
     ref(x).sum().backward()
     rows = ((0, 2), (2, 4), (4, 5), (5, 5))[rank]
     # Every rank used the same input, so the average gradient equals the local one.
-    assert torch.equal(model.module.weight.grad, ref.weight.grad[rows[0] : rows[1]])
+    assert torch.equal(model.module.weight.grad.to_local(), ref.weight.grad[rows[0] : rows[1]])
 
 
 @pytest.mark.distributed(world_size=2)

@@ -1,0 +1,70 @@
+"""Run by tests/plugin/test_multinode.py in a job of 2 nodes x 2 ranks (two torchrun agents on
+this host, or four processes with the variables srun sets)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=4)
+def test_all_reduce_across_nodes(rank, world_size, process_group):
+    t = torch.full((1,), float(rank))
+    dist.all_reduce(t, group=process_group)
+    assert t.item() == 6 and world_size == 4
+
+
+@pytest.mark.distributed(world_size=[2, 3])
+def test_smaller_world(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size
+
+
+@pytest.mark.distributed(world_size=4)
+def test_rank_three_fails(rank):
+    assert rank != 3, "rank three disagrees"
+
+
+@pytest.mark.distributed(world_size=4, timeout=3)
+def test_rank_three_hangs(rank):
+    if rank == 3:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_after_the_hang(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4
+
+
+@pytest.mark.distributed(world_size=4)
+def test_rank_two_dies(rank):
+    if rank == 2:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_after_the_death(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4
+
+
+@pytest.mark.distributed(world_size=8)
+def test_needs_eight(rank):
+    pass
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_thread_mode_in_job(rank):
+    pass
+
+
+def test_plain():
+    pass
