@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -213,12 +214,13 @@ class FullyShardedDataParallel(nn.Module):
         specs = _init.collect_params(
             module, ignored_modules=ignored, ignored_params=ignored_params, is_unit=_is_unit
         )
+        # Weakly: a replaced original may be freed and its id reused (``param_init_fn``).
         nested = {
-            i
+            i: ref
             for child in _init.nested_unit_modules(module, _is_unit)
-            for i in getattr(child, "_consumed_param_ids", ())
+            for i, ref in getattr(child, "_consumed_params", {}).items()
         }
-        shared = sorted(s.fqn for s in specs if id(s.param) in nested)
+        shared = sorted(s.fqn for s in specs if (r := nested.get(id(s.param))) and r() is s.param)
         if shared:
             raise ValueError(
                 f"FullyShardedDataParallel: parameters {shared} are shared between a nested "
@@ -243,8 +245,9 @@ class FullyShardedDataParallel(nn.Module):
                 offload_params=self.cpu_offload.offload_params,
                 layout=DTensorLayout.of_groups(self._unit_groups, specs[0].param.device.type),
             )
-        # Ids of the original parameters this instance and its nested instances took over.
-        self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | nested
+        # The original parameters this instance and its nested instances took over, by id.
+        consumed = {id(s.param): weakref.ref(s.param) for s in specs}
+        self._consumed_params: dict[int, weakref.ref[nn.Parameter]] = nested | consumed
         setattr(self, WRAPPED_MODULE_NAME, module)
         full_shard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         param_dtype = policy.param_dtype if policy is not None else None

@@ -90,7 +90,12 @@ def test_device_id_meta_keeps_a_meta_model_on_meta_for_planning(rank, world_size
     and whole steps at 256 ranks allocate nothing."""
     with torch.device("meta"):
         meta = NestedModel()
-    model = FSDP(meta, auto_wrap_policy=BLOCKS, device_id="meta", cpu_offload=CPUOffload(offload))
+    model = FSDP(
+        meta,
+        auto_wrap_policy=BLOCKS,
+        device_id="meta",
+        cpu_offload=CPUOffload(offload_params=offload),
+    )
     optim = torch.optim.Adam(model.parameters())
     copies: list[events.Event] = []
     with events.subscribe(copies.append):
