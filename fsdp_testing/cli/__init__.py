@@ -5,6 +5,8 @@ imports this package):
 
 - ``check`` (``check.py``): the parity and communication matrix of a sharding engine.
 - ``trace`` (``trace.py``): a Perfetto/Chrome trace and a PNG timeline of a few steps.
+- ``plan`` (``plan.py``): what a configuration costs per rank, planned on fake tensors in a
+  fake world without running it (``_plan_*.py``).
 
 Shared by them (and the benchmarks): ``_render.py`` writes to the terminal (rich tables, a live
 progress bar and colour on a terminal, plain lines elsewhere), ``_table.py`` lays out the
@@ -21,7 +23,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import check, trace
+    from . import check, plan, trace
 
     parser = argparse.ArgumentParser(
         prog="fsdp-testing",
@@ -30,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     check.add_parser(subparsers)
     trace.add_parser(subparsers)
+    plan.add_parser(subparsers)
     return parser
 
 

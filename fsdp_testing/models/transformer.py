@@ -31,7 +31,8 @@ _HYBRID = {"HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"}
 class TransformerWithSharedParams(FSDPTestModel):
     """``embed_tokens -> transformer (2 encoder + 2 decoder layers) -> output_proj`` with
     ``output_proj.weight`` tied to ``embed_tokens.weight``, a float and a long buffer, and an
-    optional ``BatchNorm1d``. Sized for CPU tests (``d_model=16``, vocabulary 23).
+    optional ``BatchNorm1d``. Sized for CPU tests (``d_model=16``, vocabulary 23) unless the
+    size arguments say otherwise (``fsdp-testing plan --model transformer:d_model=2048,...``).
 
     Args:
         group: the process group (or a tuple of groups for hybrid sharding).
@@ -39,6 +40,12 @@ class TransformerWithSharedParams(FSDPTestModel):
         add_bn: include ``BatchNorm1d`` on the target embeddings (else ``Identity``).
         deterministic: seed the initialization and switch to eval mode (no dropout).
         device: compute device, default CUDA if available else CPU.
+        d_model: embedding width (default 16).
+        nhead: attention heads, dividing ``d_model`` (default 2).
+        num_encoder_layers: encoder layers (default 2).
+        num_decoder_layers: decoder layers (default 2).
+        dim_feedforward: hidden width of every layer's feed-forward block (default 8).
+        d_vocab: vocabulary size (default 23).
     """
 
     d_vocab = 23
@@ -53,10 +60,17 @@ class TransformerWithSharedParams(FSDPTestModel):
         deterministic: bool,
         *,
         device: torch.device | str | None = None,
+        d_model: int = 16,
+        nhead: int = 2,
+        num_encoder_layers: int = 2,
+        num_decoder_layers: int = 2,
+        dim_feedforward: int = 8,
+        d_vocab: int = 23,
     ) -> None:
         super().__init__()
         self.rank, self.world_size = group_rank_and_size(group)
         self.bs = self.batch_size
+        self.d_model, self.d_vocab = d_model, d_vocab
         if deterministic:
             torch.manual_seed(0)
         self.embed_tokens = nn.Embedding(self.d_vocab, self.d_model)
@@ -65,10 +79,10 @@ class TransformerWithSharedParams(FSDPTestModel):
             warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
             self.transformer = nn.Transformer(
                 d_model=self.d_model,
-                nhead=2,
-                num_encoder_layers=2,
-                num_decoder_layers=2,
-                dim_feedforward=8,
+                nhead=nhead,
+                num_encoder_layers=num_encoder_layers,
+                num_decoder_layers=num_decoder_layers,
+                dim_feedforward=dim_feedforward,
                 dropout=0.1,
             )
         self.output_proj = nn.Linear(self.d_model, self.d_vocab)
@@ -118,6 +132,7 @@ class TransformerWithSharedParams(FSDPTestModel):
         add_bn: bool = True,
         *,
         device: torch.device | str | None = None,
+        **sizes: int,
     ) -> nn.Module:
         """Builds the model; ``RECURSIVE`` shards the root with the active engine, each encoder
         and decoder layer a unit unless ``fsdp_kwargs`` names another ``auto_wrap_policy``.
@@ -130,11 +145,13 @@ class TransformerWithSharedParams(FSDPTestModel):
             deterministic: seed the initialization, eval mode (default False).
             add_bn: include batch norm (default True).
             device: compute device, default CUDA if available else CPU.
+            sizes: ``d_model``, ``nhead``, ``num_encoder_layers``, ``num_decoder_layers``,
+                ``dim_feedforward``, ``d_vocab`` (defaults: the class docstring's).
         """
         placement = as_device_init_mode(device_init_mode)
         model_group = group[0] if isinstance(group, tuple) else group
         model = TransformerWithSharedParams(
-            model_group, placement, add_bn, deterministic, device=device
+            model_group, placement, add_bn, deterministic, device=device, **sizes
         )
         if as_fsdp_init_mode(fsdp_init_mode) is FSDPInitMode.NO_FSDP:
             return model

@@ -26,6 +26,7 @@ __all__ = [
     "all_gather_flat",
     "all_reduce_flat",
     "check_same_index",
+    "moves_data",
     "reduce_scatter_flat",
 ]
 
@@ -79,12 +80,24 @@ def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
+def moves_data(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s collectives move data: not over torch's fake backend
+    (``init_process_group("fake")``), whose collectives return at once and leave every output
+    as it was, so that one process can play one rank of a large world (sharding math, the
+    planner's fake-tensor steps). Nothing received over it can be compared."""
+    return dist.get_backend(group) != "fake"
+
+
 def check_same_index(index: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
     """Return the smallest and largest ``index`` any rank of ``group`` passed.
 
     One all-reduce (MAX) of two int64 values; used to check that ranks agree on which unit
-    they are about to communicate for. See [Note: order validation] in ``_exec_order``.
+    they are about to communicate for. See [Note: order validation] in ``_exec_order``. Over a
+    fake backend (:func:`moves_data`) the collective is issued but nothing is read back:
+    ``(index, index)`` (the values may be fake tensors, which have none).
     """
     pair = torch.tensor([index, -index], dtype=torch.int64, device=device)
     dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+    if not moves_data(group):
+        return index, index
     return -int(pair[1]), int(pair[0])

@@ -211,13 +211,17 @@ def materialize_meta_module(
     modules, is on meta, ``param_init_fn(m)`` runs on every module of ``module``'s tree in
     breadth-first order, stopping at nested units and ignored modules. Without
     ``param_init_fn``, each of those modules that holds parameters or buffers directly gets
-    ``to_empty(device=device, recurse=False)`` and ``reset_parameters()``.
+    ``to_empty(device=device, recurse=False)`` and ``reset_parameters()``. With ``device`` the
+    meta device (``device_id="meta"``) nothing is materialized: the module stays on meta and
+    computes there, allocating nothing (``fsdp-testing plan`` steps models so).
     """
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(
             f"{api}: param_init_fn takes a callable(module) -> None, got {param_init_fn!r}; "
             "e.g. lambda m: m.to_empty(device='cpu', recurse=False)."
         )
+    if device.type == "meta":
+        return
     todo: list[nn.Module] = []
     queue = collections.deque([module])
     seen = {module}

@@ -28,10 +28,12 @@ __all__ = ["copy_to_device", "copy_to_host", "validate_offloaded_devices"]
 
 
 def validate_offloaded_devices(units: list[FSDPUnit]) -> None:
-    """Offloaded shards must stay on the CPU (the module was not moved after wrapping)."""
+    """Offloaded shards must stay on the CPU (the module was not moved after wrapping). A unit
+    computing on the meta device (``device_id="meta"``, planning) has no host: its shards stay
+    on meta too."""
     moved: dict[str, list[str]] = {}
     for unit in units:
-        if not unit.offload_params:
+        if not unit.offload_params or unit.device.type == "meta":
             continue
         for p in unit.params:
             # ``module.to()`` may move the shard in place or swap in a new Parameter.
@@ -84,8 +86,10 @@ def copy_to_host(
     unit: str,
     pin: bool,
 ) -> torch.Tensor:
-    """A CPU copy of the reduced gradient shard ``grad``, complete when this returns."""
-    host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=pin)
+    """A CPU copy of the reduced gradient shard ``grad``, complete when this returns (a meta
+    copy of a meta shard: planning on the meta device, ``device_id="meta"``, has no host)."""
+    host_device = "meta" if grad.is_meta else "cpu"
+    host = torch.empty(grad.shape, dtype=grad.dtype, device=host_device, pin_memory=pin)
     if streams is None:
         host.copy_(grad)
     else:

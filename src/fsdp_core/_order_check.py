@@ -66,6 +66,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import _collectives
+
 __all__ = [
     "GATHER_TAG_NUMEL",
     "OrderChecker",
@@ -168,12 +170,6 @@ def write_reduce_tag(rows: torch.Tensor, code: int, group_rank: int, group_size:
     rows[:, first + 1].fill_(low)
 
 
-def _moves_no_data(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` runs on torch's fake backend, whose collectives move no data (one
-    process playing one rank of a large world): there are no peers' tags to compare."""
-    return dist.get_backend(group) == "fake"
-
-
 @dataclass
 class _Pending:
     """Tags copied to the host on a CUDA stream, to compare when the iteration ends."""
@@ -212,9 +208,10 @@ class OrderChecker:
         """Compare ``received`` (1D, a digit pair per rank of ``group``) with ``code``; raise
         on a mismatch.
 
-        On CUDA the comparison waits for :meth:`flush`. See [Note: order check].
+        On CUDA the comparison waits for :meth:`flush`. See [Note: order check]. Over a fake
+        backend nothing was received (``_collectives.moves_data``): nothing is compared.
         """
-        if _moves_no_data(group):
+        if not _collectives.moves_data(group):
             return
         if received.device.type != "cuda":
             self._compare(group, code, self.iteration, received.tolist())

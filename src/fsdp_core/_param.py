@@ -120,6 +120,15 @@ class DTensorLayout:
         group, or both on a 2-D mesh ``("replicate", "shard")`` of the hybrid grid. A mesh made
         from existing groups costs well under a millisecond, so each wrapper instance makes its
         own (kept by its parameters, none kept beyond them)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # A unit on meta (``device_id="meta"``, planning) gets a CPU mesh: DTensor has no meta
+        # device handle. A mesh keeps its ranks in a real tensor, also under a FakeTensorMode.
+        with unset_fake_temporarily():
+            return cls._of_groups(groups, "cpu" if device_type == "meta" else device_type)
+
+    @classmethod
+    def _of_groups(cls, groups: UnitGroups, device_type: str) -> DTensorLayout:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Replicate, Shard
 
@@ -127,19 +136,15 @@ class DTensorLayout:
             mesh = DeviceMesh.from_group(
                 [groups.replicate, groups.shard],
                 device_type,
-                mesh=torch.tensor(groups.grid),
+                mesh=torch.tensor(groups.grid, device="cpu"),  # not a default device's
                 mesh_dim_names=("replicate", "shard"),
             )
-            layout = cls(mesh, (Replicate(), Shard(0)))
-        elif groups.shard is not None:
-            layout = cls(DeviceMesh.from_group(groups.shard, device_type), (Shard(0),))
-        elif groups.replicate is not None:
-            layout = cls(DeviceMesh.from_group(groups.replicate, device_type), (Replicate(),))
-        else:
-            raise AssertionError(
-                f"[rank {dist.get_rank()}] a unit needs a shard or a replicate group"
-            )
-        return layout
+            return cls(mesh, (Replicate(), Shard(0)))
+        if groups.shard is not None:
+            return cls(DeviceMesh.from_group(groups.shard, device_type), (Shard(0),))
+        if groups.replicate is not None:
+            return cls(DeviceMesh.from_group(groups.replicate, device_type), (Replicate(),))
+        raise AssertionError(f"[rank {dist.get_rank()}] a unit needs a shard or a replicate group")
 
 
 @dataclass(frozen=True)

@@ -106,11 +106,14 @@ def adopt(unit: FSDPUnit) -> None:
 
 def adopt_at_lazy_init(units: list[tuple[str, FSDPUnit, str]]) -> None:
     """At the root's lazy init: adopt every composable unit's replaced parameters, then raise
-    if any is still on the meta device. ``units``: (the owner's FQN, its unit, its door)."""
+    if any is still on the meta device, unless its unit computes there (``device_id="meta"``,
+    planning). ``units``: (the owner's FQN, its unit, its door)."""
     for _, unit, api in units:
         if api != "FullyShardedDataParallel":  # FSDP1 adopts nothing
             adopt(unit)
     for fqn, unit, api in units:
+        if unit.device.type == "meta":
+            continue
         meta = [f"{fqn}.{p.fqn}" if fqn else p.fqn for p in unit.params if p.sharded.is_meta]
         if meta:
             raise RuntimeError(

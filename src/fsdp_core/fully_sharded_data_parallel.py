@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from ._state_dict import settings as _state_dict_types
 from ._unit import FSDPUnit
 from ._wrapper.args import (
     HYBRID_STRATEGIES,
+    consumed_by_nested,
     resolve_wrapper_groups,
     validate_hybrid_agreement,
     validate_wrapper_args,
@@ -86,7 +88,9 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: parameters, or modules, FSDP does not manage (default ``None``);
             exclusive with ``ignored_modules``.
         device_id: device to move the module to before sharding, which is also the compute
-            device (default ``None``: the parameters' device).
+            device (default ``None``: the parameters' device). ``"meta"`` keeps a module
+            built on the meta device there (no materialization): sharding and steps then
+            allocate nothing, for planning.
         sync_module_states: broadcast parameters and buffers from rank 0 of the group before
             sharding (default ``False``).
         forward_prefetch: gather the next unit in forward order when a unit's forward starts
@@ -213,20 +217,7 @@ class FullyShardedDataParallel(nn.Module):
         specs = _init.collect_params(
             module, ignored_modules=ignored, ignored_params=ignored_params, is_unit=_is_unit
         )
-        nested = {
-            i
-            for child in _init.nested_unit_modules(module, _is_unit)
-            for i in getattr(child, "_consumed_param_ids", ())
-        }
-        shared = sorted(s.fqn for s in specs if id(s.param) in nested)
-        if shared:
-            raise ValueError(
-                f"FullyShardedDataParallel: parameters {shared} are shared between a nested "
-                "FSDP instance and its parent. Shared (tied) parameters must belong to one "
-                "unit: wrap their lowest common ancestor instead (change the auto_wrap_policy "
-                "so the modules using them are not wrapped separately), or use fully_shard, "
-                "which moves them to that unit."
-            )
+        nested = consumed_by_nested(module, specs, _is_unit)
         specs = [ParamSpec(clean_fqn(s.fqn), s.param, s.slots) for s in specs]
         _init.validate_no_scalars("FullyShardedDataParallel", specs)
         if specs:
@@ -245,8 +236,8 @@ class FullyShardedDataParallel(nn.Module):
                 offload_params=self.cpu_offload.offload_params,
                 layout=DTensorLayout.of_groups(self._unit_groups, specs[0].param.device.type),
             )
-        # Ids of the original parameters this instance and its nested instances took over.
-        self._consumed_param_ids: set[int] = {id(s.param) for s in specs} | nested
+        # The original parameters this instance and its nested instances took over, by id.
+        self._consumed_params = nested | {id(s.param): weakref.ref(s.param) for s in specs}
         setattr(self, WRAPPED_MODULE_NAME, module)
         full_shard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         param_dtype = policy.param_dtype if policy is not None else None

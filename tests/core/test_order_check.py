@@ -5,6 +5,7 @@ See [Note: order check] in ``fsdp_core._order_check``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -355,3 +356,37 @@ def test_no_extra_collective_in_the_first_iteration_by_default(rank, process_gro
     ops = [e.op for e in seen if isinstance(e, events.Collective)]
     assert not [op for op in ops if "all_reduce" in op], ops
     assert sum("reduce_scatter" in op for op in ops) == 2, ops  # small and big; the root has none
+
+
+@pytest.mark.parametrize("door", ["FullyShardedDataParallel", "fully_shard"])
+@pytest.mark.distributed(world_size=64, mode="fake")
+def test_a_fake_world_trains_on_fake_tensors_without_comparing_tags(rank, world_size, door):
+    """Over torch's fake backend collectives move nothing, so other ranks' tags are never
+    there to compare: steps on fake tensors (no data to read) and on real ones (outputs left
+    as they were) run, with every collective still issued and tagged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_core import fully_shard
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # made from real tensors
+    for fake in (True, False):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            model: nn.Module = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 5))
+            if door == "fully_shard":
+                fully_shard(model[0], mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            else:
+                model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+            seen: list[events.Event] = []
+            with events.subscribe(seen.append):
+                for _ in range(2):
+                    model(torch.randn(4, 8)).sum().backward()
+        calls = [e.op for e in seen if isinstance(e, events.Collective)]
+        # Per step, two reductions and the all-gathers: fully_shard's root keeps its
+        # parameters for backward, so 1 + 2 (FULL_SHARD); the wrapper's root owns none, so its
+        # two Linear units 2 + 2.
+        gathers = 3 if door == "fully_shard" else 4
+        per_step = ["all_gather_single"] * gathers + ["reduce_scatter_single"] * 2
+        assert sorted(calls) == sorted(per_step * 2), (fake, calls)
+        assert all(view.order_check for view in unit_views(model))

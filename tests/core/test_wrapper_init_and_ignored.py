@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_core import FSDP, events
+from fsdp_core import FSDP, CPUOffload, events, unit_views
 from fsdp_core.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from ._models import NestedModel, get_input
@@ -80,6 +80,35 @@ def test_meta_model_without_param_init_fn_uses_reset_parameters(rank, process_gr
     expected = dict(ref.named_parameters())
     for name, tensor in full_params(model).items():
         assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.distributed(world_size=256, mode="fake")
+def test_device_id_meta_keeps_a_meta_model_on_meta_for_planning(rank, world_size, offload):
+    """``device_id="meta"``: no materialization; every tensor of the shards, the steps and the
+    optimizer stays on meta (with offload, its shards and gradient copies too): sharding math
+    and whole steps at 256 ranks allocate nothing."""
+    with torch.device("meta"):
+        meta = NestedModel()
+    model = FSDP(
+        meta,
+        auto_wrap_policy=BLOCKS,
+        device_id="meta",
+        cpu_offload=CPUOffload(offload_params=offload),
+    )
+    optim = torch.optim.Adam(model.parameters())
+    copies: list[events.Event] = []
+    with events.subscribe(copies.append):
+        for _ in range(2):
+            model(torch.empty(4, 8, device="meta")).sum().backward()
+            optim.step()
+    assert all(p.is_meta and p.grad is not None and p.grad.is_meta for p in model.parameters())
+    state = [t for s in optim.state.values() for t in s.values()]
+    assert state and all(t.is_meta for t in state if t.dim())
+    # The offload copies are made (and published) as on a CPU run.
+    made = [e for e in copies if isinstance(e, events.OffloadCopy)]
+    assert bool(made) is offload
+    assert {str(view.compute_device) for view in unit_views(model)} == {"meta"}
 
 
 class _NoReset(nn.Module):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -14,10 +15,12 @@ from .._groups import (
     hybrid_groups_from_mesh,
     hybrid_groups_from_pair,
 )
+from .._init import nested_unit_modules
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = [
     "HYBRID_STRATEGIES",
+    "consumed_by_nested",
     "resolve_wrapper_groups",
     "validate_hybrid_agreement",
     "validate_wrapper_args",
@@ -123,3 +126,29 @@ def validate_hybrid_agreement(
             "the same device_mesh or process_group pair (auto_wrap_policy does), or use "
             "FULL_SHARD for the instance that needs other groups."
         )
+
+
+def consumed_by_nested(
+    module: nn.Module, specs: Sequence[Any], is_unit: Callable[[nn.Module], bool]
+) -> dict[int, weakref.ref[nn.Parameter]]:
+    """The original parameters the wrapper instances nested in ``module`` took over, by id
+    (weakly: a replaced original may be freed and its id reused, e.g. by ``param_init_fn``).
+
+    Raises:
+        ValueError: one of ``specs`` (``module``'s own parameters) is also a nested one's.
+    """
+    nested = {
+        i: ref
+        for child in nested_unit_modules(module, is_unit)
+        for i, ref in getattr(child, "_consumed_params", {}).items()
+    }
+    shared = sorted(s.fqn for s in specs if (r := nested.get(id(s.param))) and r() is s.param)
+    if shared:
+        raise ValueError(
+            f"FullyShardedDataParallel: parameters {shared} are shared between a nested "
+            "FSDP instance and its parent. Shared (tied) parameters must belong to one "
+            "unit: wrap their lowest common ancestor instead (change the auto_wrap_policy "
+            "so the modules using them are not wrapped separately), or use fully_shard, "
+            "which moves them to that unit."
+        )
+    return nested
