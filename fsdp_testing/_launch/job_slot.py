@@ -202,24 +202,21 @@ class Slot:
 
     def _await_first_process_exit(self) -> None:
         # Only where the launcher hosts the store (torchrun's agent; one that rank 0 hosts goes
-        # away with it). The agent may stop, and its store with it, between two reads: c10d
-        # would log the broken pipe on stderr, which has nothing else to say by now.
-        saved = os.dup(2)
+        # away with it). The agent may stop, and its store with it, between two reads, or
+        # before this process has let go of its connection: c10d would log the broken pipe
+        # with a C++ stack trace on stderr, which has nothing else to say by now. It stays
+        # silenced until this process exits.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
-        try:
-            deadline = time.monotonic() + EXIT_WAIT_S
-            while time.monotonic() < deadline:
-                try:
-                    if self._store.check([EXITING_KEY]):
-                        return
-                except Exception:
-                    return  # its store went with it
-                time.sleep(POLL_S)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if self._store.check([EXITING_KEY]):
+                    return
+            except Exception:
+                return  # its store went with it
+            time.sleep(POLL_S)
 
     def _pause(self, seconds: float) -> None:
         until = time.monotonic() + seconds
