@@ -32,7 +32,7 @@ _C10_LOG = re.compile(r"^\[[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \S+\.cpp:\d+\] \[c10d\
 files and a released slot keeps its stderr silenced, so on a node's terminal these come from
 torchrun's agent: its rendezvous store, hosted by node 0's agent, can go away before it ends (a
 network error with a C++ stack trace; seen twice on a loaded machine)."""
-_C10_TRACE = re.compile(r"^(Exception raised from |frame #\d+: )")
+_C10_TRACE = re.compile(r"^(Exception raised from |frame #\d+: |<omitting python frames>$)")
 
 
 @dataclasses.dataclass
