@@ -28,13 +28,14 @@ of 128 ranks once deadlocked in teardown (issue 23). The rules that keep that fr
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
 
-from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._launch.deadline import FAILURE_GRACE_S, Deadline
 from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.observation import Observation
 
@@ -86,7 +87,9 @@ class RankThreads:
             at most once per run; must not block). See [Note: stopping rank threads].
         wake_on_failure: call ``wake`` as soon as a rank fails (default True); False when the
             world stops the failed rank's peers by itself (local mode), so ``wake`` only comes
-            when the wait gives up.
+            when the wait gives up, and no failure grace applies: a rank of such a world still
+            running after a peer failed is running, not stuck (on a loaded machine it may be
+            formatting its own traceback past the grace), so only the timeout bounds it.
     """
 
     def __init__(
@@ -113,7 +116,8 @@ class RankThreads:
         ``snapshot()`` gives each rank's collective log, read when the wait gives up."""
         for thread in self.threads.values():
             thread.start()
-        stuck = self._wait(Deadline(timeout))
+        grace = FAILURE_GRACE_S if self._wake_on_failure else math.inf
+        stuck = self._wait(Deadline(timeout, grace=grace))
         if not stuck:
             return
         obs = self.obs

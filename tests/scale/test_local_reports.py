@@ -53,6 +53,16 @@ def test_a_failed_ranks_peers_are_aborted(run: Run) -> None:
     assert "ranks 0, 1, 3 aborted" in case.message
 
 
+def test_a_failed_ranks_running_peer_is_not_cut_short(run: Run) -> None:
+    # Local mode aborts a failed rank's peers itself once none can run; a peer that still runs
+    # (sleeping here, formatting its traceback on a loaded machine) is not stuck, so process
+    # mode's failure grace does not apply to it: only the timeout does.
+    case = run.cases["test_slow_peer"]
+    assert case.outcome == "failed"
+    assert case.message.startswith("rank 0 failed: ValueError: rank zero broke")
+    assert "rank 1" not in case.text
+
+
 def test_a_rank_that_never_yields_is_a_hang_report(run: Run) -> None:
     case = run.cases["test_hang"]
     assert case.outcome == "failed"

@@ -26,6 +26,13 @@ def test_fail(rank):
     dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.distributed(world_size=2, mode="local")
+def test_slow_peer(rank):
+    if rank == 0:
+        raise ValueError("rank zero broke")
+    time.sleep(1.5)  # past process mode's failure grace (1 s): running, not stuck
+
+
 @pytest.mark.distributed(world_size=3, mode="local", timeout=2)
 def test_hang(rank):
     if rank == 1:
