@@ -36,6 +36,7 @@ __all__ = [
     "device_from_id",
     "expand_ignored",
     "materialize_meta_module",
+    "move_owned_to_device",
     "nested_unit_modules",
     "resolve_ignored",
     "sync_module_states",
@@ -193,6 +194,42 @@ def collect_params(
 
     visit(module, "")
     return [ParamSpec(fqn, param, tuple(slots[i])) for i, (fqn, param) in params.items()]
+
+
+def move_owned_to_device(
+    module: nn.Module,
+    device: torch.device,
+    *,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    is_unit: IsUnit,
+) -> None:
+    """Move the parameters and buffers ``module`` will own to ``device`` (``device_id``), in
+    place. Nested units and ignored modules and parameters stay where they are: a nested unit's
+    shards already live where its own arguments put them (on the CPU under CPU offload), so a
+    ``module.to(device)`` from the root would move them under it."""
+    ignored_ids = {id(p) for p in ignored_params}
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if m in ignored_modules or (m is not module and is_unit(m)) or id(m) in seen:
+            return
+        seen.add(id(m))
+        with torch.no_grad():
+            for param in m._parameters.values():
+                if param is None or id(param) in ignored_ids or param.device == device:
+                    continue
+                param.data = param.data.to(device)
+                if param.grad is not None:
+                    param.grad = param.grad.to(device)
+        for name, buffer in m._buffers.items():
+            if buffer is not None and buffer.device != device:
+                m._buffers[name] = buffer.to(device)
+        for child in m._modules.values():
+            if child is not None:
+                visit(child)
+
+    visit(module)
 
 
 def materialize_meta_module(

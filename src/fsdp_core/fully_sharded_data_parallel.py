@@ -194,7 +194,13 @@ class FullyShardedDataParallel(nn.Module):
             device=device or torch.device("cpu"),
         )
         if device is not None:
-            module.to(device)
+            _init.move_owned_to_device(
+                module,
+                device,
+                ignored_modules=ignored,
+                ignored_params=ignored_params,
+                is_unit=_is_unit,
+            )
         self.__dict__["_fsdp_state"] = self._init_state(
             module, ignored, ignored_params, sync_module_states
         )

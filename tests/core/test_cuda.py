@@ -1,25 +1,36 @@
 """The CUDA path: side streams for all-gather, reduce-scatter and offload copies (NCCL).
 
-These need two GPUs and skip cleanly elsewhere; the CPU path's lack of streams is checked in
-test_offload_precision.
+They run on two ranks where two GPUs exist and on one rank with one GPU (NCCL puts one rank on
+each device; one rank still runs every stream, pinned copy and low-precision cast, through
+NCCL's one-rank collectives), and skip cleanly without a GPU; the CPU path's lack of streams is
+checked in test_offload_precision.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fsdp_core import FSDP, CPUOffload, MixedPrecision
+from fsdp_core import (
+    FSDP,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 from ._models import build, get_input, wrap_model
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="the CUDA stream path needs two GPUs for NCCL"
-)
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLD_SIZE = max(1, min(2, GPUS))
+
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="the CUDA stream path needs a GPU")
 
 
-@pytest.mark.distributed(world_size=2, backend="nccl")
+@pytest.mark.distributed(world_size=WORLD_SIZE, backend="nccl")
 @pytest.mark.parametrize("offload", [False, True])
 def test_cuda_streams_match_ddp(rank, process_group, device, offload):
     """Training with side streams (and pinned offload copies) equals DDP on the same GPUs."""
@@ -43,7 +54,7 @@ def test_cuda_streams_match_ddp(rank, process_group, device, offload):
             optim.zero_grad()
             losses.append(loss.detach().cpu())
         m.losses = losses  # type: ignore[assignment]
-    # Two ranks: two-term sums, bitwise equal (see test_parity).
+    # One or two ranks: sums of at most two terms, bitwise equal (see test_parity).
     assert all(torch.equal(a, b) for a, b in zip(model.losses, ddp.losses, strict=True))
     streams = model._fsdp_state.streams
     assert streams is not None
@@ -57,7 +68,7 @@ def test_cuda_streams_match_ddp(rank, process_group, device, offload):
             assert torch.equal(param, ref), name
 
 
-@pytest.mark.distributed(world_size=2, backend="nccl")
+@pytest.mark.distributed(world_size=WORLD_SIZE, backend="nccl")
 def test_cuda_mixed_precision_gathers_low_precision(rank, process_group, device):
     model = wrap_model(
         "nested",
@@ -70,3 +81,45 @@ def test_cuda_mixed_precision_gathers_low_precision(rank, process_group, device)
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.distributed(world_size=WORLD_SIZE, backend="nccl")
+@pytest.mark.parametrize("offload", [False, True])
+def test_cuda_fully_shard_matches_ddp(rank, process_group, device, offload):
+    """The composable door on a CUDA mesh (pinned host shards when offloading) trains as DDP;
+    bf16 parameters with fp32 reduction give bf16 activations and fp32 gradients."""
+    ddp = DDP(
+        build("nested", rank).to(device), device_ids=[device.index], process_group=process_group
+    )
+    mesh = DeviceMesh.from_group(process_group, "cuda")
+    policy = CPUOffloadPolicy(pin_memory=True) if offload else None
+    model = build("nested", rank).to(device)
+    kw = {"mesh": mesh, "offload_policy": policy} if offload else {"mesh": mesh}
+    fully_shard(model.block, **kw)
+    fully_shard(model, **kw)
+    for m in (ddp, model):
+        optim = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for step in range(3):
+            loss = m(get_input("nested", rank, step).to(device)).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach().cpu())
+        m.losses = losses  # type: ignore[assignment]
+    assert all(torch.equal(a, b) for a, b in zip(model.losses, ddp.losses, strict=True))
+    for param in model.parameters():
+        local = param.to_local()
+        assert local.device.type == ("cpu" if offload else "cuda")
+        assert local.is_pinned() is offload
+    for (name, param), ref in zip(model.named_parameters(), ddp.module.parameters(), strict=True):
+        assert torch.equal(param.full_tensor().to(device), ref), name
+
+    low = build("nested", rank).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(low.block, mesh=mesh, mp_policy=mp)
+    fully_shard(low, mesh=mesh, mp_policy=mp)
+    out = low(get_input("nested", rank, 0).to(device))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in low.parameters())

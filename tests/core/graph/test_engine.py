@@ -49,7 +49,7 @@ def test_the_trainer_lets_an_engine_that_steps_itself_run_the_step() -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     engine: Any = _SelfStepping()  # an engine in the trainer's eyes only through train_step
-    loop = TrainingLoop(model, engine=engine, workload=_Workload(), lr=0.1)
+    loop = TrainingLoop(model, engine=engine, workload=_Workload(), lr=0.1, device="cpu")
     before, bias = model.weight.detach().clone(), model.bias.detach().clone()
     loss = loop.step()
     assert engine.calls == 1
@@ -62,6 +62,7 @@ def test_the_trainer_lets_an_engine_that_steps_itself_run_the_step() -> None:
         engine=engine,
         workload=_Workload(),
         enable_sharded_grad_scaler=True,
+        device="cpu",
     )
     with pytest.raises(
         NotImplementedError, match=r"'self_stepping' runs the step itself.*grad scaler"
