@@ -216,6 +216,21 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available()
 
 
+_ACCELERATOR_BACKENDS = ("nccl", "xccl", "hccl")
+
+
+def computes_on_cpu(group: dist.ProcessGroup | None) -> bool:
+    """Whether ranks of ``group`` (default: the default group) compute on the CPU: no
+    accelerator, or a group whose backend moves CPU tensors only (gloo, threads, local or fake
+    ranks), where the rank's ``device`` is the CPU also on a machine with GPUs."""
+    if not has_accelerator():
+        return True
+    if not dist.is_initialized():
+        return False
+    backend = str(dist.get_backend(group))
+    return not any(name in backend for name in _ACCELERATOR_BACKENDS)
+
+
 def default_process_group() -> dist.ProcessGroup:
     """The default process group of the calling rank (also per thread under threaded groups)."""
     if not dist.is_initialized():

@@ -9,7 +9,9 @@ performs ``sync_module_states`` itself (a broadcast from the group's rank 0 befo
 skipping already wrapped subtrees, whose local tensors are shards), and rejects parameter
 offloading with a NotImplementedError in torch's own words ("Cannot access accelerator device
 when none is available"), so a torch-style test class skips it as needing an accelerator, as it
-skips every body that needs one. With an accelerator, arguments pass through unchanged.
+skips every body that needs one. The same holds on a machine with an accelerator for a rank
+whose process group moves CPU tensors only (gloo, threads, local or fake ranks: its ``device``
+is the CPU). On an accelerator's backend, arguments pass through unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._base import PatchTarget, broadcast_module_states, has_accelerator, translate_kwargs
+from ._base import (
+    PatchTarget,
+    broadcast_module_states,
+    computes_on_cpu,
+    has_accelerator,
+    translate_kwargs,
+)
 from ._probe import Probe, infer_reason_from_torch_caller
 from ._volume import CommVolume, UnitVolume, gathers_per_step
 from ._wrapper import WrapperEngine
@@ -76,7 +84,7 @@ class TorchFSDP1Engine(WrapperEngine):
         process_group: dist.ProcessGroup | None,
         fsdp_kwargs: dict[str, Any],
     ) -> dict[str, Any]:
-        if has_accelerator():
+        if not computes_on_cpu(process_group):
             return fsdp_kwargs
         # See [Note: FSDP1 on a machine without an accelerator]
         kwargs = dict(fsdp_kwargs)
@@ -86,11 +94,16 @@ class TorchFSDP1Engine(WrapperEngine):
         if offload is not None and getattr(offload, "offload_params", False):
             # torch's own words for this case, which the torch-compatible classes turn into a
             # skip naming the need (see _NO_ACCELERATOR_ERRORS in fsdp_testing/testcase.py).
+            why = (
+                "this rank's process group computes on the CPU; run it on the accelerator's "
+                "backend (nccl)"
+                if has_accelerator()
+                else "Cannot access accelerator device when none is available"
+            )
             raise NotImplementedError(
                 "engine 'torch_fsdp1': torch's FSDP1 offloads parameters "
-                "(cpu_offload=CPUOffload(offload_params=True)) through an accelerator: "
-                "Cannot access accelerator device when none is available. Use engine "
-                "'torch_fsdp2' or 'fsdp_core', or drop cpu_offload"
+                f"(cpu_offload=CPUOffload(offload_params=True)) through an accelerator: {why}. "
+                "Use engine 'torch_fsdp2' or 'fsdp_core', or drop cpu_offload"
             )
         if kwargs.pop("sync_module_states", False):
             broadcast_module_states(

@@ -81,10 +81,14 @@ def as_device_init_mode(value: Any) -> DEVICEInitMode:
 
 
 def default_device() -> torch.device:
-    """The current CUDA device when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where this rank computes: the current CUDA device when CUDA is available, unless the
+    default process group runs on a CPU backend (gloo, threads, local or fake ranks: a rank's
+    ``device`` fixture is the CPU there, also on a machine with GPUs), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if dist.is_available() and dist.is_initialized() and "nccl" not in dist.get_backend():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device:

@@ -4,6 +4,7 @@ test here checks one documented behaviour (docs/pytest-api.md) in its report."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from .._scenario import Run, line_of, processes_tagged, run_scenario
 
@@ -23,6 +24,7 @@ def test_thread_and_fake_modes_run(run: Run) -> None:
     assert run.cases["test_fake_mode"].outcome == "passed", run.cases["test_fake_mode"].text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the choice made where no GPU exists")
 def test_gloo_is_picked_without_gpus(run: Run) -> None:
     assert run.cases["test_gloo_backend_on_cpu"].outcome == "passed"
 
@@ -135,6 +137,7 @@ def test_output_is_shown_per_rank(run: Run) -> None:
     assert "Captured output [rank 1] call" in section and "hello from rank 1" in section
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip made where no GPU exists")
 def test_nccl_without_gpus_is_skipped_in_the_parent(run: Run) -> None:
     import torch
 

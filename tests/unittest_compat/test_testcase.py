@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .._scenario import Run, run_scenario
 
@@ -39,6 +40,9 @@ def test_skips_are_reported_with_their_reason(run: Run) -> None:
     assert "Need at least 8 CUDA devices" in run.cases["test_torch_exit_code_skip"].message
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the CPU substitution made where no GPU exists"
+)
 def test_gpu_decorator_runs_on_cpu_unless_gpus_are_required(run: Run) -> None:
     assert run.cases["test_gpu_decorated_runs_on_cpu"].outcome == "passed"
     case = run.cases["test_needs_real_gpus"]

@@ -7,8 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from .._scenario import Run, run_scenario
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="GPU-sized worlds run on CPU ranks only where no GPU exists"
+)
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 
