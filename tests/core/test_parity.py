@@ -39,14 +39,34 @@ POLICIES = [
 ]
 
 
+# At four ranks (four-term sums, uneven shards) the default suite runs the models whose layouts
+# differ most: the nested one and the transformer (tied weights, uneven flat shards); the other
+# kinds run there under --run-slow (each also runs at two ranks by default).
+KINDS_AT_FOUR = ["nested", "transformer"]
+
+
+def _at_four() -> list:
+    return [k if k in KINDS_AT_FOUR else pytest.param(k, marks=pytest.mark.slow) for k in KINDS]
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.distributed(world_size=[2, 4])
+@pytest.mark.distributed(world_size=2)
 def test_parity_with_data_parallel(kind, rank, world_size, process_group):
     """Losses and full parameters match DDP after several SGD+momentum steps.
 
     The whole matrix (backward prefetch x strategy x forward prefetch) runs twice: as is, and
     with CPU offload and a save/zero/load of the full state dict after every step.
     """
+    _parity_with_data_parallel(kind, rank, world_size, process_group)
+
+
+@pytest.mark.parametrize("kind", _at_four())
+@pytest.mark.distributed(world_size=4)
+def test_parity_with_data_parallel_at_four_ranks(kind, rank, world_size, process_group):
+    _parity_with_data_parallel(kind, rank, world_size, process_group)
+
+
+def _parity_with_data_parallel(kind, rank, world_size, process_group):
     ref_losses, ref_params = reference(kind, build(kind, rank), rank, process_group)
     # Two ranks: every gradient element is a sum of two terms, which is order independent, so
     # the results are bitwise equal. See _parity.FP32_TOLERANCE for larger worlds.
@@ -72,7 +92,7 @@ def test_parity_with_data_parallel(kind, rank, world_size, process_group):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.distributed(world_size=[2, 4])
+@pytest.mark.distributed(world_size=2)
 def test_mixed_precision_parity(kind, rank, world_size, process_group):
     """bf16/fp16 parameters, reduced in fp32 or in the parameter dtype, match a reference that
     runs the same precision by hand (see ``precision_reference``).
@@ -80,6 +100,16 @@ def test_mixed_precision_parity(kind, rank, world_size, process_group):
     Every policy runs with every strategy; the prefetch modes rotate over the runs, and CPU
     offload and the state dict round trip are on for every other run.
     """
+    _mixed_precision_parity(kind, rank, world_size, process_group)
+
+
+@pytest.mark.parametrize("kind", _at_four())
+@pytest.mark.distributed(world_size=4)
+def test_mixed_precision_parity_at_four_ranks(kind, rank, world_size, process_group):
+    _mixed_precision_parity(kind, rank, world_size, process_group)
+
+
+def _mixed_precision_parity(kind, rank, world_size, process_group):
     # World size 2: the same arithmetic and two-term sums, so bitwise equal (see
     # test_parity_with_data_parallel); larger worlds: see the tolerances in _parity.
     exact = world_size == 2
