@@ -20,9 +20,14 @@ mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
+installed() { python3 -c "import importlib.metadata as m; m.distribution('fsdp-testing')" 2>/dev/null; }
+# Installed, the plugin's entry point also reaches the child pytest sessions that the plugin's
+# own tests start; an offline machine installs it without fetching anything.
+installed || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+  || echo "fsdp-testing could not be installed: the plugin is loaded with -p (its own scenario tests then fail)"
 pytest=(python3 -m pytest -p fsdp_testing.plugin -p no:cacheprovider -rs)
-if python3 -c "import importlib.metadata as m; m.distribution('fsdp-testing')" 2>/dev/null; then
-  pytest=(python3 -m pytest -p no:cacheprovider -rs)  # installed: the entry point loads it
+if installed; then
+  pytest=(python3 -m pytest -p no:cacheprovider -rs)  # the entry point loads it
 fi
 failed=0
 
