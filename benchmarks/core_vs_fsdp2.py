@@ -28,8 +28,12 @@ tags switched off (``fsdp_core.debug.set_order_check``, a debugging option), and
 fsdp_core's paired ratio to it, i.e. what the in-payload order check (see [Note: order check] in
 ``fsdp_core/_order_check.py``) costs per step.
 
+``--profile`` adds a third phase: every engine (and fsdp_core with its tags off) profiled with
+torch's profiler for ``--steps`` steps, the step's time split into compute, copy, collectives,
+optimizer and other (Python and the profiler); see ``_step_profile.py``.
+
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
-       [--rounds 20] [--order-check-cost]
+       [--rounds 20] [--order-check-cost] [--profile]
 """
 
 from __future__ import annotations
@@ -237,6 +241,33 @@ def run_rank_interleaved(
         json.dump({"rank": rank, "times": times}, f)
 
 
+def run_rank_profile(width: int, blocks: int, steps: int, warmup: int, out_dir: str) -> None:
+    """Every engine (fsdp_core with its order tags off too) profiled for ``steps`` steps after
+    ``warmup``, one after another; writes ``profile-rank{N}.json``. See ``_step_profile.py``."""
+    import torch
+    import torch.distributed as dist
+    from _step_profile import profile_steps
+
+    torch.set_num_threads(1)
+    batch = torch.randn(4, 64, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    profiles = {}
+    for engine in (ENGINES[0], CORE_UNTAGGED, *ENGINES[1:]):
+        model, block_class = _build(width, blocks)
+        model = _wrap(engine, model, block_class)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(model: Any = model, optim: Any = optim) -> None:
+            optim.zero_grad(set_to_none=True)
+            model(batch).pow(2).mean().backward()
+            optim.step()
+
+        for _ in range(warmup):
+            step()
+        profiles[engine] = profile_steps(step, steps)
+    with open(os.path.join(out_dir, f"profile-rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(profiles, f)
+
+
 def _launch(function: str, label: str, kwargs: dict[str, Any]) -> None:
     from fsdp_testing._launch.spec import DistSpec, Mode
     from fsdp_testing._protocol import FunctionRef, Task
@@ -425,6 +456,12 @@ def main() -> None:
         "the paired ratio: the cost of the in-payload order check",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile --steps steps of every engine and print where a step's time goes "
+        "(compute, copy, collectives, optimizer, other)",
+    )
+    parser.add_argument(
         "--png",
         metavar="PATH",
         help="also draw step time and peak memory per engine (matplotlib: the 'plot' extra)",
@@ -451,6 +488,12 @@ def main() -> None:
             engine: [_load(out_dir, f"{engine}-rank{r}.json") for r in (0, 1)] for engine in ENGINES
         }
         interleaved = [_load(out_dir, f"interleaved-rank{r}.json")["times"] for r in (0, 1)]
+        profiles = None
+        if args.profile:
+            print("profiling every engine ...", flush=True)
+            _launch("run_rank_profile", "profile", dict(steps=args.steps, **common))
+            by_rank = [_load(out_dir, f"profile-rank{r}.json") for r in (0, 1)]
+            profiles = {e: [ranks[e] for ranks in by_rank] for e in by_rank[0]}
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
         from fsdp_testing.launcher import shutdown
@@ -464,6 +507,13 @@ def main() -> None:
             f"of {len(cost['ratios'])} paired rounds; quartiles {cost['q1']:.4f} to "
             f"{cost['q3']:.4f})"
         )
+    if profiles is not None:
+        from _step_profile import print_profile
+
+        from fsdp_testing.cli._render import make_console
+
+        print()
+        print_profile(make_console(), profiles)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -472,6 +522,7 @@ def main() -> None:
                     "results": results,
                     "interleaved": interleaved,
                     "paired_ratios": summary,
+                    "profile": profiles,
                 },
                 f,
                 indent=2,
