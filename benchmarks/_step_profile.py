@@ -10,8 +10,9 @@ time without counting anything twice:
 - ``copy``: copies and fills (``copy_``, ``cat``, ``_to_copy``, ``split_with_sizes_copy``,
   ``fill_``, ``zero_``, ...): what the engines do to copy shards in and gathered or reduced
   data out, and the casts of mixed precision;
-- ``collectives``: c10d and gloo operators on the stepping thread: issuing each collective
-  and waiting for it (gloo moves the data on its own threads);
+- ``collectives``: c10d and gloo operators on the stepping thread, issuing each collective, and
+  the time in ``Work.wait()`` (gloo moves the data on its own threads; a wait is no operator, so
+  while profiling ``torch.distributed.Work.wait`` runs under a ``c10d::wait`` label);
 - ``optimizer``: everything under ``Optimizer.step`` and ``Optimizer.zero_grad``;
 - ``other``: the step's wall time minus the operators' time: Python (hooks, the engines' own
   bookkeeping, autograd's engine) and the profiler's own cost, which inflates this row most.
@@ -66,14 +67,25 @@ def category_of(name: str, under_optimizer: bool) -> str | None:
 def profile_steps(step: Callable[[], None], steps: int) -> dict[str, float]:
     """Run ``step`` ``steps`` times under the profiler; return the mean seconds per step of
     each category, and ``"step"``: the mean wall time of a profiled step."""
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        begin = time.perf_counter()
-        for _ in range(steps):
-            with record_function(_STEP):
-                step()
-        wall = time.perf_counter() - begin
+    wait = dist.Work.wait
+
+    def labelled_wait(work: dist.Work, *args: object, **kwargs: object) -> bool:
+        with record_function("c10d::wait"):
+            return wait(work, *args, **kwargs)
+
+    dist.Work.wait = labelled_wait  # type: ignore[method-assign]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            begin = time.perf_counter()
+            for _ in range(steps):
+                with record_function(_STEP):
+                    step()
+            wall = time.perf_counter() - begin
+    finally:
+        dist.Work.wait = wait  # type: ignore[method-assign]
     events = prof.events()
     threads = {event.thread for event in events if event.name == _STEP}
     totals = dict.fromkeys(CATEGORIES, 0.0)
