@@ -30,6 +30,19 @@ WORLD_SIZE = max(1, min(2, GPUS))
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="the CUDA stream path needs a GPU")
 
 
+def _train(model, rank, device) -> list[float]:
+    """Three SGD+momentum steps on the nested model's batches; the losses."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(3):
+        loss = model(get_input("nested", rank, step).to(device)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.distributed(world_size=WORLD_SIZE, backend="nccl")
 @pytest.mark.parametrize("offload", [False, True])
 def test_cuda_streams_match_ddp(rank, process_group, device, offload):
@@ -44,18 +57,8 @@ def test_cuda_streams_match_ddp(rank, process_group, device, offload):
         device_id=device,
         cpu_offload=CPUOffload(offload_params=offload),
     )
-    for m in (ddp, model):
-        optim = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        for step in range(3):
-            loss = m(get_input("nested", rank, step).to(device)).pow(2).mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach().cpu())
-        m.losses = losses  # type: ignore[assignment]
     # One or two ranks: sums of at most two terms, bitwise equal (see test_parity).
-    assert all(torch.equal(a, b) for a, b in zip(model.losses, ddp.losses, strict=True))
+    assert _train(model, rank, device) == _train(ddp, rank, device)
     streams = model._fsdp_state.streams
     assert streams is not None
     units = [m._unit for m in FSDP.fsdp_modules(model) if m._unit is not None]
@@ -97,17 +100,7 @@ def test_cuda_fully_shard_matches_ddp(rank, process_group, device, offload):
     kw = {"mesh": mesh, "offload_policy": policy} if offload else {"mesh": mesh}
     fully_shard(model.block, **kw)
     fully_shard(model, **kw)
-    for m in (ddp, model):
-        optim = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        for step in range(3):
-            loss = m(get_input("nested", rank, step).to(device)).pow(2).mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach().cpu())
-        m.losses = losses  # type: ignore[assignment]
-    assert all(torch.equal(a, b) for a, b in zip(model.losses, ddp.losses, strict=True))
+    assert _train(model, rank, device) == _train(ddp, rank, device)
     for param in model.parameters():
         local = param.to_local()
         assert local.device.type == ("cpu" if offload else "cuda")
