@@ -214,6 +214,10 @@ class FSDPState:
             for state in states:
                 if state.unit is not None:
                     state.unit.streams = self.streams
+                    self.streams.max_pending_reduces = max(
+                        self.streams.max_pending_reduces,
+                        state.unit.reduce_scatter_max_input_buffers,
+                    )
 
     def set_order_tags(self, enabled: bool) -> None:
         """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""

@@ -37,6 +37,8 @@ optimizer is about to overwrite, and every reduced gradient has landed on the ho
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 __all__ = ["CudaStreams", "uses_streams"]
@@ -62,7 +64,12 @@ class CudaStreams:
         self.reduce_scatter = torch.cuda.Stream(device=device, priority=-1)
         self.offload = torch.cuda.Stream(device=device)
         self.copy_out_done: torch.cuda.Event | None = None
-        self.pending_reduce: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        # Reduce inputs in flight, oldest first, at most ``max_pending_reduces`` (the largest
+        # ``set_reduce_scatter_max_input_buffers`` of the root's units, read at lazy init).
+        self.pending_reduces: collections.deque[tuple[torch.Tensor, torch.cuda.Event]] = (
+            collections.deque()
+        )
+        self.max_pending_reduces = 1
 
     def begin_iteration(self, post_optim_event: torch.cuda.Event | None = None) -> None:
         """Root pre-forward: the side streams see this step's parameters (optimizer writes):
@@ -85,14 +92,21 @@ class CudaStreams:
         self.copy_out_done = torch.cuda.current_stream(self.device).record_event()
 
     def hold_reduce_input(self, reduce_input: torch.Tensor, done: torch.cuda.Event) -> None:
-        """Rule 2: keep ``reduce_input`` alive until the compute stream waited on ``done``."""
-        self.release_reduce_input()
-        self.pending_reduce = (reduce_input, done)
+        """Rule 2: keep ``reduce_input`` alive until the compute stream waited on ``done``.
+        Beyond ``max_pending_reduces`` inputs held, the compute stream first waits for the
+        oldest reduction (one by default: for the previous one)."""
+        while len(self.pending_reduces) >= self.max_pending_reduces:
+            self._release_oldest()
+        self.pending_reduces.append((reduce_input, done))
 
     def release_reduce_input(self) -> None:
-        if self.pending_reduce is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.pending_reduce[1])
-            self.pending_reduce = None
+        """The compute stream waits for every reduction held."""
+        while self.pending_reduces:
+            self._release_oldest()
+
+    def _release_oldest(self) -> None:
+        _, done = self.pending_reduces.popleft()
+        torch.cuda.current_stream(self.device).wait_event(done)
 
     def end_backward(self, *, offload: bool) -> None:
         """The compute stream (and, with offload, the host) sees every reduced gradient."""

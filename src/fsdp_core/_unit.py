@@ -179,6 +179,8 @@ class FSDPUnit:
         self.all_reduce_grads = True
         self._partial_reduced: torch.Tensor | None = None
         self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
+        self.gradient_divide_factor: float | None = None  # ``set_gradient_divide_factor``
+        self.reduce_scatter_max_input_buffers = 1  # ``set_reduce_scatter_max_input_buffers``
         for p in self.params:
             p.expose_sharded()
 
@@ -368,6 +370,9 @@ class FSDPUnit:
         for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
             if grad is not None:
                 full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
+        factor = self.gradient_divide_factor
+        if factor is not None:  # sum / factor instead of the average; out of place, as FSDP2
+            return full / factor if factor != 1 else full
         if self.groups.world > 1:
             full.div_(self.groups.world)  # See [Note: gradient averaging].
         return full

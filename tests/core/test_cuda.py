@@ -100,7 +100,9 @@ def test_cuda_fully_shard_matches_ddp(rank, process_group, device, offload):
     kw = {"mesh": mesh, "offload_policy": policy} if offload else {"mesh": mesh}
     fully_shard(model.block, **kw)
     fully_shard(model, **kw)
+    model.set_reduce_scatter_max_input_buffers(2)  # two reductions in flight: same numbers
     assert _train(model, rank, device) == _train(ddp, rank, device)
+    assert model._get_fsdp_state().streams.max_pending_reduces == 2
     for param in model.parameters():
         local = param.to_local()
         assert local.device.type == ("cpu" if offload else "cuda")

@@ -392,3 +392,56 @@ def test_inputs_are_cast_to_param_dtype_even_when_it_is_the_parameters_dtype(ran
     out = model(torch.randn(2, 8))
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
+
+
+@pytest.mark.distributed(world_size=2)
+def test_gradient_divide_factor_gives_the_sum_over_the_factor(rank, process_group):
+    """``set_gradient_divide_factor(f)``: gradients are the ranks' sum divided by f (1: the
+    sum), on that module only; bad factors are refused naming the method."""
+    torch.manual_seed(0)
+    model = _Net()
+    replica = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=_mesh(process_group))
+    fully_shard(model, mesh=_mesh(process_group))
+    model.blocks[0].set_gradient_divide_factor(4.0)
+    model.blocks[1].set_gradient_divide_factor(1)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    replica(x).sum().backward()
+    averaged = _averaged_grads(replica, process_group)
+    # The average is the sum over 2: a factor of 4 halves it, a factor of 1 doubles it.
+    expected = {
+        name: grad / (2.0 if name.startswith("blocks.0.") else 0.5)
+        for name, grad in averaged.items()
+    }
+    _assert_grads(model, expected)
+    for bad in (0, -2.0, True, "2"):
+        with pytest.raises(ValueError, match="set_gradient_divide_factor takes a positive"):
+            model.set_gradient_divide_factor(bad)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_reduce_scatter_max_input_buffers_is_validated_and_changes_no_number(rank, process_group):
+    torch.manual_seed(0)
+    model, other = _Net(), _Net()
+    other.load_state_dict(model.state_dict())
+    for net in (model, other):
+        for block in net.blocks:
+            fully_shard(block, mesh=_mesh(process_group))
+        fully_shard(net, mesh=_mesh(process_group))
+    with pytest.raises(ValueError, match="must be a positive int, got 0"):
+        model.set_reduce_scatter_max_input_buffers(0)
+    for bad in (2.5, True):
+        with pytest.raises(TypeError, match="must be an int"):
+            model.set_reduce_scatter_max_input_buffers(bad)
+    model.set_reduce_scatter_max_input_buffers(2)
+    other.blocks[0].set_reduce_scatter_max_input_buffers(3, recurse=False)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    for net in (model, other):
+        net(x).sum().backward()
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a.grad.to_local(), b.grad.to_local())
+    model.set_force_sum_reduction_for_comms(True)
+    with pytest.raises(TypeError, match="takes a bool"):
+        model.set_force_sum_reduction_for_comms(1)

@@ -210,6 +210,60 @@ class FSDPModule:
             raise ValueError("stream cannot be set when using native HSDP")
         unit.all_reduce_hook = AllReduceHook(hook, stream)
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce this module's gradients to their sum divided by ``factor`` instead of their
+        average over the data-parallel ranks (a factor of 1: the plain sum). Not recursive.
+
+        Args:
+            factor: a positive number.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(
+                f"set_gradient_divide_factor takes a positive number, got {factor!r}; e.g. "
+                "the data-parallel world size for an average."
+            )
+        unit = self._get_fsdp_state().unit
+        if unit is not None:
+            unit.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2's API: fsdp_core's collectives only ever sum (the division by
+        the world size or ``set_gradient_divide_factor`` happens before, on the input), so
+        there is no other reduction to switch off. Not recursive.
+
+        Args:
+            enable: whether only sum-type reductions may be used.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many gradient reduction inputs may be in flight at once on CUDA (default 1):
+        beyond that the compute stream waits for the oldest reduction before going on. The
+        units of one root share one pipeline, which takes the largest value set on them at
+        lazy init (the first forward). Scheduling only: the numbers do not change. On the CPU
+        reductions complete before backward goes on, so nothing is held.
+
+        Args:
+            max_input_buffers: a positive int.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                "set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
+                f"{type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                "set_reduce_scatter_max_input_buffers: max_input_buffers must be a positive "
+                f"int, got {max_input_buffers}"
+            )
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.reduce_scatter_max_input_buffers = max_input_buffers
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters (default ``True``); ``False`` skips
         the all-gather in backward where the gradients need no parameters (an embedding).
