@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as utils_checkpoint
 
 from fsdp_core import MixedPrecisionPolicy, events, fully_shard
@@ -445,3 +446,27 @@ def test_reduce_scatter_max_input_buffers_is_validated_and_changes_no_number(ran
     model.set_force_sum_reduction_for_comms(True)
     with pytest.raises(TypeError, match="takes a bool"):
         model.set_force_sum_reduction_for_comms(1)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_torchs_ddp_replicate_leaves_the_fully_shard_modules_to_it(rank, process_group):
+    """torch's DDP-based composable ``replicate`` on a root whose submodules ``fully_shard``
+    manages (torch's FSDP2 tests use it as their reference) finds them in torch's registry of
+    composable APIs and all-reduces only the root's own parameters: every gradient is the
+    average of the replicas'."""
+    from torch.distributed._composable import replicate as torch_replicate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Net())
+    replica = copy.deepcopy(model)
+    for block in model[1].blocks:
+        fully_shard(block, mesh=_mesh(process_group))
+    fully_shard(model[1], mesh=_mesh(process_group))
+    torch_replicate(model, process_group=process_group)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    replica(x).sum().backward()
+    expected = _averaged_grads(replica, process_group)
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, expected[name], msg=name)

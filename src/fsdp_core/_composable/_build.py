@@ -249,6 +249,7 @@ def attach(
     ``<prefix><Cls>``, a subclass of ``FSDPModule`` and the original class."""
     hooks = ForwardHooks(state, modules)
     for m in modules:
+        _register_with_torch(m, api)
         m.__dict__["_fsdp_state"] = state
         m.__dict__["_fsdp_forward_hooks"] = hooks
         m.__dict__[API_KEY] = api
@@ -259,6 +260,19 @@ def attach(
             m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, state)),
         ]
         m.__dict__["_fsdp_make_unit"] = make_unit
+
+
+def _register_with_torch(module: nn.Module, api: str) -> None:
+    """Record ``api`` in torch's registry of composable APIs on ``module``, as torch's own
+    ``fully_shard`` and ``replicate`` do: torch's composable APIs read it to leave a module to
+    the API that manages it (torch's DDP-based ``replicate`` around ``fully_shard``-ed
+    submodules skips their parameters)."""
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+    except ImportError:  # pragma: no cover - a torch without composable APIs
+        return
+    registry = module.__dict__.setdefault(REGISTRY_KEY, {})
+    registry.setdefault(api, RegistryItem())
 
 
 def _fsdp_class(cls: type, prefix: str) -> type:
