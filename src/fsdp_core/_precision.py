@@ -40,6 +40,9 @@ class UnitPrecision:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     keep_low_precision_grads: bool = False
+    # Which of param_dtype and reduce_dtype the policy named (the others follow orig_dtype).
+    policy_sets_param: bool = False
+    policy_sets_reduce: bool = False
 
     @classmethod
     def resolve(cls, policy: MixedPrecision | None, orig_dtype: torch.dtype) -> UnitPrecision:
@@ -47,17 +50,27 @@ class UnitPrecision:
             return cls(orig_dtype, orig_dtype, orig_dtype)
         param_dtype = policy.param_dtype or orig_dtype
         reduce_dtype = policy.reduce_dtype or policy.param_dtype or orig_dtype
-        return cls(orig_dtype, param_dtype, reduce_dtype, policy.keep_low_precision_grads)
+        return cls(
+            orig_dtype,
+            param_dtype,
+            reduce_dtype,
+            policy.keep_low_precision_grads,
+            policy_sets_param=policy.param_dtype is not None,
+            policy_sets_reduce=(policy.reduce_dtype or policy.param_dtype) is not None,
+        )
 
     def with_orig_dtype(self, orig_dtype: torch.dtype) -> UnitPrecision:
-        """The dtypes after the parameters became ``orig_dtype``: what followed the original
-        dtype (no cast) follows it, what the policy set stays."""
-        old = self.orig_dtype
+        """The dtypes after the parameters became ``orig_dtype`` (``module.to(dtype)``): what
+        followed the original dtype follows it, what the policy named stays, also when it
+        named the old original dtype (bf16 parameters under a bf16 policy cast to fp32 still
+        compute and reduce in bf16, as in FSDP2)."""
         return UnitPrecision(
             orig_dtype,
-            orig_dtype if self.param_dtype == old else self.param_dtype,
-            orig_dtype if self.reduce_dtype == old else self.reduce_dtype,
+            self.param_dtype if self.policy_sets_param else orig_dtype,
+            self.reduce_dtype if self.policy_sets_reduce else orig_dtype,
             self.keep_low_precision_grads,
+            policy_sets_param=self.policy_sets_param,
+            policy_sets_reduce=self.policy_sets_reduce,
         )
 
     @property

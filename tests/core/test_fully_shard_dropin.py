@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from fsdp_core import MixedPrecisionPolicy, fully_shard, unit_views
+from fsdp_core import MixedPrecisionPolicy, events, fully_shard, unit_views
 from fsdp_core.graph import trace_train_step
 
 
@@ -226,6 +226,26 @@ def test_module_cast_to_another_dtype_after_sharding_trains_in_it(rank, process_
     for (name, p), q in zip(model.named_parameters(), ddp.module.parameters(), strict=True):
         assert p.dtype == p.to_local().dtype == p.grad.dtype == torch.float64, name
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_policy_naming_the_original_dtype_holds_after_a_cast(rank, process_group):
+    """bf16 parameters under a bf16 policy, then module.to(float32): compute, gathers and
+    reductions stay in bf16 (the policy named it), parameters and gradients become float32."""
+    mesh = _mesh(process_group)
+    model = nn.Sequential(*(nn.Linear(8, 8, dtype=torch.bfloat16) for _ in range(2)))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for layer in model:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy).to(torch.float32)
+    seen: list[events.Event] = []
+    with events.subscribe(seen.append):
+        out = model(torch.randn(4, 8))
+        out.sum().backward()
+    assert out.dtype == torch.bfloat16
+    collectives = [e for e in seen if isinstance(e, events.Collective)]
+    assert collectives and all(e.dtype == "bfloat16" for e in collectives)
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_mixed_precision_policy_takes_fsdp2s_positional_fields():
