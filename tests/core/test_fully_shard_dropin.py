@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_core import MixedPrecisionPolicy, events, fully_shard, unit_views
 from fsdp_core.graph import trace_train_step
@@ -246,6 +246,29 @@ def test_a_policy_naming_the_original_dtype_holds_after_a_cast(rank, process_gro
     collectives = [e for e in seen if isinstance(e, events.Collective)]
     assert collectives and all(e.dtype == "bfloat16" for e in collectives)
     assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.distributed(world_size=2)
+def test_state_dicts_reshard_a_unit_left_unsharded_by_forward(rank, process_group):
+    """With reshard_after_forward=False a forward leaves the parameters unsharded; state_dict()
+    reshards first and holds the same DTensor shards as before the forward, and a load after
+    a forward writes into the shards (the next forward computes with the loaded values)."""
+    mesh = _mesh(process_group)
+    model = _mlp()
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    before = model.state_dict()
+    x = torch.randn(2, 8)
+    model(x)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for key, value in after.items():
+        assert isinstance(value, DTensor), key
+        assert torch.equal(value.to_local(), before[key].to_local()), key
+    zeros = {k: torch.zeros_like(v.full_tensor()) for k, v in before.items()}
+    model(x)
+    model.load_state_dict(zeros)
+    assert torch.equal(model(x), torch.zeros(2, 8))
 
 
 def test_mixed_precision_policy_takes_fsdp2s_positional_fields():

@@ -19,7 +19,7 @@ from .._param import DTensorLayout, ParamSpec, is_sharded_param
 from .._precision import UnitPrecision
 from .._runtime import FSDPState, state_of
 from .._unit import FSDPUnit
-from ..api import MixedPrecision
+from ..api import MixedPrecision, TrainingState
 from ..fully_sharded_data_parallel import FullyShardedDataParallel
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_module import API_KEY, ForwardHooks, FSDPModule, api_of, load_full_tensors_hook
@@ -257,9 +257,25 @@ def attach(
         hooks.handles += [
             m.register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True),
             m.register_forward_hook(hooks.post),
+            m.register_state_dict_pre_hook(_reshard_before_state_dict(state)),
+            m._register_load_state_dict_pre_hook(_reshard_before_state_dict(state)),
             m._register_load_state_dict_pre_hook(load_full_tensors_hook(m, state)),
         ]
         m.__dict__["_fsdp_make_unit"] = make_unit
+
+
+def _reshard_before_state_dict(state: FSDPState) -> Callable[..., None]:
+    """A save and load state-dict pre-hook: outside forward and backward, an unsharded unit
+    (``reshard_after_forward=False`` after a forward, an explicit ``unshard()``) is resharded
+    first, so that state dicts hold its ``DTensor`` shards and loads write into them, as in
+    FSDP2."""
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        unit = state.unit
+        if unit is not None and unit.is_unsharded and state.training_state is TrainingState.IDLE:
+            unit.reshard("explicit")
+
+    return hook
 
 
 def _register_with_torch(module: nn.Module, api: str) -> None:
