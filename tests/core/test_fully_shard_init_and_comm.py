@@ -286,6 +286,29 @@ def test_a_weight_tied_across_units_moves_to_their_ancestor_and_trains_like_ddp(
 
 
 @pytest.mark.distributed(world_size=2)
+def test_a_weight_tied_inside_one_group_of_modules_is_one_parameter_of_its_unit(
+    rank, process_group
+):
+    """fully_shard([embed, proj]) on modules sharing one weight (FSDP2's way to tie across
+    modules): the group's unit holds it once with both slots, and training equals DDP."""
+    mesh = _mesh(process_group)
+    plain = _TiedLM()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(plain), process_group=process_group)
+    fully_shard([plain.embed, plain.proj], mesh=mesh)
+    model = fully_shard(plain, mesh=mesh)
+    (group,) = [s for s in states_in(model) if s.owner is model.embed]
+    assert [p.fqn for p in group.unit.params] == ["weight"]
+    assert model.embed.weight is model.proj.weight
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank))
+    for net in (ddp, model):
+        net(tokens).logsumexp(-1).mean().backward()
+    for (name, p), (_, q) in zip(
+        ddp.module.named_parameters(), model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad, msg=name)
+
+
+@pytest.mark.distributed(world_size=2)
 def test_a_weight_tied_across_units_without_a_sharded_ancestor_raises_fsdp2s_error(
     rank, process_group
 ):

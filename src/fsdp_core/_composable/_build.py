@@ -6,6 +6,7 @@ Every message names the calling API (``api``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -150,15 +151,17 @@ def collect_specs(
     """The parameters the call on ``modules`` takes: those they own (see [Note: ownership] in
     ``_init``), less those a sibling unit took, plus the shared ones moving up from nested
     units (see [Note: shared parameters] in ``_shared``). ``validate`` sees the owned ones."""
-    specs = []
-    seen: set[int] = set()
+    specs: list[ParamSpec] = []
+    index: dict[int, int] = {}
     for m in modules:
         for spec in _init.collect_params(
             m, ignored_modules=set(), ignored_params=ignored, is_unit=is_unit
         ):
-            if id(spec.param) not in seen:
-                seen.add(id(spec.param))
+            i = index.setdefault(id(spec.param), len(specs))
+            if i == len(specs):
                 specs.append(spec)
+            else:  # shared by modules of the group (tied weights): one parameter, every slot
+                specs[i] = dataclasses.replace(specs[i], slots=(*specs[i].slots, *spec.slots))
     validate(specs)
     _validate_bottom_up(api, modules, specs)
     return [s for s in specs if not taken(s.param)] + move_shared_params(modules)
