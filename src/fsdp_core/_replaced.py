@@ -26,6 +26,7 @@ picks the new tensors up in ``FSDPModule._apply`` and, for every unit, at the ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,13 +105,17 @@ def adopt(unit: FSDPUnit) -> None:
         offset += p.shard_numel
 
 
-def adopt_at_lazy_init(units: list[tuple[str, FSDPUnit, str]]) -> None:
-    """At the root's lazy init: adopt every composable unit's replaced parameters, then raise
-    if any is still on the meta device, unless its unit computes there (``device_id="meta"``,
-    planning). ``units``: (the owner's FQN, its unit, its door)."""
+def adopt_at_lazy_init(
+    units: list[tuple[str, FSDPUnit, str]], check: Callable[[], None] = lambda: None
+) -> None:
+    """At the root's lazy init: adopt every composable unit's replaced parameters, run
+    ``check`` (the offload check: it sees what was adopted), then raise if any parameter is
+    still on the meta device, unless its unit computes there (``device_id="meta"``, planning).
+    ``units``: (the owner's FQN, its unit, its door)."""
     for _, unit, api in units:
         if api != "FullyShardedDataParallel":  # FSDP1 adopts nothing
             adopt(unit)
+    check()
     for fqn, unit, api in units:
         if unit.device.type == "meta":
             continue

@@ -195,10 +195,12 @@ class FSDPState:
             if state.unit is not None and state.tag_collectives:
                 # See [Note: order check].
                 state.unit.order_tags = order.checker.for_unit(index)
-        # See [Note: replaced parameters] in _replaced: adopted first, so that parameters
-        # loaded with assign=True onto an offloaded meta module are what is checked.
-        adopt_at_lazy_init([(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None])
-        validate_offloaded_devices([s.unit for s in states if s.unit is not None])
+        # See [Note: replaced parameters] in _replaced: the offload check sees the adopted
+        # parameters (loaded with assign=True onto an offloaded meta module).
+        adopt_at_lazy_init(
+            [(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None],
+            check=lambda: validate_offloaded_devices([s.unit for s in states if s.unit]),
+        )
         refuse_unowned_shared(self.owner)
         for state in states:
             buffer_dtype = state.config.buffer_dtype

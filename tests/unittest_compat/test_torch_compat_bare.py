@@ -9,8 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_compat.py"
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the bare run sizes its world by CUDA devices; this file checks the machine without any",
+)
 
 # A file as torch writes it: torch's own harness imports, a world sized by CUDA devices (0 here).
 ORIGINAL = """
@@ -18,10 +24,6 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
 from torch.testing._internal.common_fsdp import FSDPTest
-
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="the bare run sizes its world by CUDA devices; this file checks the machine without any"
-)
 
 
 class TestBare(FSDPTest):
