@@ -17,7 +17,7 @@ enclosing unit, the lowest common ancestor of its users (see [Note: shared param
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "materialize_meta_module",
     "move_owned_to_device",
     "nested_unit_modules",
+    "owned_modules",
     "resolve_ignored",
     "sync_module_states",
     "validate_no_scalars",
@@ -162,6 +163,26 @@ def nested_unit_modules(module: nn.Module, is_unit: IsUnit) -> list[nn.Module]:
     return found
 
 
+def owned_modules(
+    module: nn.Module, *, ignored_modules: set[nn.Module], is_unit: IsUnit
+) -> Iterator[tuple[str, nn.Module]]:
+    """``module``'s owned subtree (see [Note: ownership]): each module once, depth first in
+    registration order, with its prefix relative to ``module`` (``""`` or ending in ``.``);
+    ignored modules and nested units (with everything below them) left out."""
+    seen: set[int] = set()
+
+    def visit(m: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        if m in ignored_modules or (m is not module and is_unit(m)) or id(m) in seen:
+            return
+        seen.add(id(m))
+        yield prefix, m
+        for name, child in m._modules.items():
+            if child is not None:
+                yield from visit(child, f"{prefix}{name}.")
+
+    yield from visit(module, "")
+
+
 def collect_params(
     module: nn.Module,
     *,
@@ -177,22 +198,12 @@ def collect_params(
     ignored_ids = {id(p) for p in ignored_params or ()}
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, tuple[str, nn.Parameter]] = {}
-    seen: set[int] = set()
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        if m in ignored_modules or (m is not module and is_unit(m)) or id(m) in seen:
-            return
-        seen.add(id(m))
+    for prefix, m in owned_modules(module, ignored_modules=ignored_modules, is_unit=is_unit):
         for name, param in m._parameters.items():
             if param is None or id(param) in ignored_ids:
                 continue
             params.setdefault(id(param), (prefix + name, param))
             slots.setdefault(id(param), []).append((m, name))
-        for child_name, child in m._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
     return [ParamSpec(fqn, param, tuple(slots[i])) for i, (fqn, param) in params.items()]
 
 
@@ -209,12 +220,7 @@ def move_owned_to_device(
     shards already live where its own arguments put them (on the CPU under CPU offload), so a
     ``module.to(device)`` from the root would move them under it."""
     ignored_ids = {id(p) for p in ignored_params}
-    seen: set[int] = set()
-
-    def visit(m: nn.Module) -> None:
-        if m in ignored_modules or (m is not module and is_unit(m)) or id(m) in seen:
-            return
-        seen.add(id(m))
+    for _, m in owned_modules(module, ignored_modules=ignored_modules, is_unit=is_unit):
         with torch.no_grad():
             for param in m._parameters.values():
                 if param is None or id(param) in ignored_ids or param.device == device:
@@ -225,11 +231,6 @@ def move_owned_to_device(
         for name, buffer in m._buffers.items():
             if buffer is not None and buffer.device != device:
                 m._buffers[name] = buffer.to(device)
-        for child in m._modules.values():
-            if child is not None:
-                visit(child)
-
-    visit(module)
 
 
 def materialize_meta_module(
@@ -330,22 +331,12 @@ def collect_buffers(
     module: nn.Module, *, ignored_modules: set[nn.Module], is_unit: IsUnit
 ) -> list[BufferSlot]:
     """The floating-point buffers ``module`` owns: not under a nested unit or ignored."""
-    slots: list[BufferSlot] = []
-    seen: set[int] = set()
-
-    def visit(m: nn.Module) -> None:
-        if m in ignored_modules or (m is not module and is_unit(m)) or id(m) in seen:
-            return
-        seen.add(id(m))
-        for name, buffer in m._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                slots.append(BufferSlot(m, name, buffer.dtype))
-        for child in m._modules.values():
-            if child is not None:
-                visit(child)
-
-    visit(module)
-    return slots
+    return [
+        BufferSlot(m, name, buffer.dtype)
+        for _, m in owned_modules(module, ignored_modules=ignored_modules, is_unit=is_unit)
+        for name, buffer in m._buffers.items()
+        if buffer is not None and buffer.is_floating_point()
+    ]
 
 
 def sync_module_states(
