@@ -41,6 +41,7 @@ __all__ = [
     "owned_modules",
     "resolve_ignored",
     "sync_module_states",
+    "trained_dtype",
     "validate_no_scalars",
     "validate_uniform",
 ]
@@ -118,12 +119,16 @@ def _sorted_types(values: list[Any]) -> list[type]:
     return sorted({type(v) for v in values}, key=repr)
 
 
+def trained_dtype(specs: list[ParamSpec]) -> torch.dtype:
+    """A unit's dtype: that of its parameters that train (or, all frozen, of the first)."""
+    return next((s.param.dtype for s in specs if s.param.requires_grad), specs[0].param.dtype)
+
+
 def validate_uniform(api: str, specs: list[ParamSpec], *, frozen_may_differ: bool) -> None:
-    """One dtype and device per unit (one flat shard); raises naming ``api``. With
-    ``frozen_may_differ`` (the composable doors) the message follows FSDP2, which requires one
-    dtype of the parameters that train (``ValueError`` that is also FSDP2's
-    ``AssertionError``) and all-gathers frozen ones of other dtypes, which fsdp_core does not
-    (``NotImplementedError``)."""
+    """One device per unit, and one dtype (one flat shard) unless ``frozen_may_differ`` (the
+    composable doors): then, as FSDP2, one dtype of the parameters that train (``ValueError``
+    that is also FSDP2's ``AssertionError``), and frozen ones may have others (see [Note: mixed
+    dtypes in one unit] in ``_flat``). Raises naming ``api``."""
     # Compared with a parameter that trains, so that the frozen ones of other dtypes are named.
     first = next((s for s in specs if s.param.requires_grad), specs[0])
     devices = [s.fqn for s in specs if s.param.device != first.param.device]
@@ -132,9 +137,7 @@ def validate_uniform(api: str, specs: list[ParamSpec], *, frozen_may_differ: boo
         f"Cast or move the module with .to(dtype, device) before calling {api}, or give "
         f"those parameters' modules their own {api} call."
     )
-    if not (devices or dtypes):
-        return
-    if devices or not frozen_may_differ:
+    if devices or (dtypes and not frozen_may_differ):
         raise ValueError(
             f"{api} needs one dtype and device per unit, but {devices or dtypes} differ from "
             f"{first.fqn} ({first.param.dtype}, {first.param.device}). {fix}"
@@ -144,12 +147,6 @@ def validate_uniform(api: str, specs: list[ParamSpec], *, frozen_may_differ: boo
         raise ValueAssertionError(
             f"{api}: FSDP expects uniform original parameter dtype but got {trainable}. {fix}"
         )
-    found = sorted({f"{s.fqn} ({s.param.dtype})" for s in specs if s.fqn in dtypes})
-    raise NotImplementedError(
-        f"{api}: parameters of other dtypes than {first.fqn} ({first.param.dtype}) in one "
-        f"unit: {found}. FSDP2 accepts them when they do not train; fsdp_core keeps one dtype "
-        f"per unit. {fix}"
-    )
 
 
 def nested_unit_modules(module: nn.Module, is_unit: IsUnit) -> list[nn.Module]:

@@ -73,6 +73,14 @@ class UnitPrecision:
             policy_sets_reduce=self.policy_sets_reduce,
         )
 
+    def compute_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype of a parameter of ``dtype``: ``param_dtype`` for the unit's
+        own; for a frozen one of another dtype (see [Note: mixed dtypes in one unit] in
+        ``_flat``), the policy's ``param_dtype`` if it names one, else its own, as FSDP2."""
+        if dtype == self.orig_dtype or self.policy_sets_param:
+            return self.param_dtype
+        return dtype
+
     @property
     def casts_params(self) -> bool:
         return self.param_dtype != self.orig_dtype

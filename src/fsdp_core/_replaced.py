@@ -18,7 +18,8 @@ picks the new tensors up in ``FSDPModule._apply`` and, for every unit, at the ro
 - New dtype (``module.to(torch.float64)``): the unit takes it; compute and reduction dtypes that
   followed the old one (no ``param_dtype``/``reduce_dtype`` in the policy) follow the new one.
   The unsharded parameters keep their objects (autograd hooks stay) with storage in the new
-  compute dtype.
+  compute dtype. Parameters that train must keep one dtype; frozen ones may take others (see
+  [Note: mixed dtypes in one unit] in ``_flat``).
 - Some parameters still on the meta device while others are not (partly materialized): left as
   they are; the root's lazy init then raises naming the meta ones (FSDP2's message), before any
   collective.
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ._flat import FlatLayout
 from ._param import ParamSpec, ShardedParam, local_tensor
 
 if TYPE_CHECKING:
@@ -86,23 +88,23 @@ def adopt(unit: FSDPUnit) -> None:
             f"fully_shard: the parameters of unit {unit.name!r} are now on several devices "
             f"{sorted(map(str, devices))}; move the whole module with module.to(device)."
         )
-    dtypes = {c.dtype for c in current}
-    if len(dtypes) > 1:
-        raise NotImplementedError(
-            f"fully_shard: the parameters of unit {unit.name!r} now have several dtypes "
-            f"{sorted(map(str, dtypes))}; cast the whole module with module.to(dtype)."
+    dtypes = [c.dtype for c in current]
+    trainable = {c.dtype for c, p in zip(current, unit.params, strict=True) if p.requires_grad}
+    if len(trainable) > 1:
+        raise ValueError(
+            f"fully_shard: the parameters of unit {unit.name!r} that train now have several "
+            f"dtypes {sorted(map(str, trainable))}; cast the whole module with module.to(dtype)."
         )
-    dtype = dtypes.pop()
+    dtype = trainable.pop() if trainable else dtypes[0]
     if dtype != unit.dtype:
         unit.dtype = dtype
         unit.precision = unit.precision.with_orig_dtype(dtype)
-        for p in unit.params:
-            p.set_compute_dtype(unit.precision.param_dtype)
-    flat = unit.new_flat_shard(dtype, devices.pop())
-    offset = 0
-    for p, tensor in zip(unit.params, current, strict=True):
-        p.rebind(flat[offset : offset + p.shard_numel], tensor)
-        offset += p.shard_numel
+    for p, new in zip(unit.params, dtypes, strict=True):
+        p.set_compute_dtype(unit.precision.compute_dtype_of(new))
+    layout = FlatLayout(dtypes, [p.shard_numel for p in unit.params])
+    flat = unit.new_flat_shard(layout, devices.pop())
+    for i, (p, tensor) in enumerate(zip(unit.params, current, strict=True)):
+        p.rebind(layout.segment(flat, i), tensor)
 
 
 def adopt_at_lazy_init(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives, _offload, _order_check, _replaced, events
+from ._flat import FlatLayout
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
 from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape, local_tensor
@@ -93,10 +94,12 @@ class FSDPUnit:
         self._sharded = self._shard_world > 1
 
         first = specs[0].param
-        self.dtype = first.dtype  # of the sharded parameters
-        if any((s.param.dtype, s.param.device) != (self.dtype, first.device) for s in specs):
+        # Of the sharded parameters that train; frozen ones may have others (the composable
+        # doors; see [Note: mixed dtypes in one unit] in ``_flat``).
+        self.dtype = next((s.param.dtype for s in specs if s.param.requires_grad), first.dtype)
+        if any(s.param.device != first.device for s in specs):
             # Each door checks it first, naming itself (``_init.validate_uniform``).
-            raise AssertionError(f"[rank {dist.get_rank()}] a unit needs one dtype and device")
+            raise AssertionError(f"[rank {dist.get_rank()}] a unit needs one device")
         self.device = compute_device if compute_device is not None else first.device
         self.precision = precision or UnitPrecision.resolve(None, self.dtype)
         if self.precision.orig_dtype != self.dtype:
@@ -125,34 +128,31 @@ class FSDPUnit:
             math.prod(chunk_shape(local_tensor(s.param).shape, s.shard_dim, self._shard_world))
             for s in specs
         ]
+        self.flat_layout = FlatLayout([s.param.dtype for s in specs], numels)
         # The flat shard and two spare elements for the all-gather's order tag, so that an
         # all-gather in the shard's dtype and device sends this buffer without a copy.
         self._flat_send = torch.empty(  # 1D: flat shard, then GATHER_TAG_NUMEL elements
-            sum(numels) + _order_check.GATHER_TAG_NUMEL,
-            dtype=self.dtype,
+            self.flat_layout.numel + _order_check.GATHER_TAG_NUMEL,
+            dtype=self.flat_layout.dtype,
             device=shard_device,
             pin_memory=self._pin,
         )
-        self._flat_send[sum(numels) :].zero_()
+        self._flat_send.zero_()  # the tag elements, and a mixed layout's alignment gaps
         # 1D, padded; every sharded parameter is a view into it.
-        self._flat_shard = self._flat_send[: sum(numels)]
-        self.params: list[ShardedParam] = []
-        offset = 0
-        for spec, numel in zip(specs, numels, strict=True):
-            segment = self._flat_shard[offset : offset + numel]
-            self.params.append(
-                ShardedParam(
-                    spec,
-                    segment,
-                    shard_world=self._shard_world,
-                    shard_rank=self._shard_rank,
-                    compute_dtype=self.precision.param_dtype,
-                    compute_device=self.device,
-                    alias=alias,
-                    layout=layout,
-                )
+        self._flat_shard = self._flat_send[: self.flat_layout.numel]
+        self.params = [
+            ShardedParam(
+                spec,
+                self.flat_layout.segment(self._flat_shard, i),
+                shard_world=self._shard_world,
+                shard_rank=self._shard_rank,
+                compute_dtype=self.precision.compute_dtype_of(spec.param.dtype),
+                compute_device=self.device,
+                alias=alias,
+                layout=layout,
             )
-            offset += numel
+            for i, spec in enumerate(specs)
+        ]
         self._aliased = alias
         # The trainable parameters and their offsets in the reduce buffer; see
         # [Note: requires_grad changes after wrapping].
@@ -308,10 +308,13 @@ class FSDPUnit:
         check]); the parameters' data is at the same offsets either way.
         """
         tags = None
-        if op is not None and self._sharded and _order_check.carries_tags(dtype):
+        mixed = self.flat_layout.mixed  # a byte all-gather carries no tag
+        if op is not None and self._sharded and not mixed and _order_check.carries_tags(dtype):
             tags = self.order_tags
         slots = _order_check.GATHER_TAG_NUMEL if tags is not None else 0
         numel = self._flat_shard.numel()
+        if self.flat_layout.mixed:
+            dtype = self.flat_layout.dtype  # bytes; the copy-out casts
         if self.offload_params:
             send = _offload.copy_to_device(
                 self._flat_shard, self.device, self.streams, unit=self.name, extra=slots
@@ -341,11 +344,9 @@ class FSDPUnit:
         if post_forward is not None and self._reason in ("forward", "forward_prefetch"):
             post_forward.keep(gathered)
         blocks = gathered.view(self._shard_world, -1)
-        offset = 0
-        for p in self.params:
+        for i, p in enumerate(self.params):
             p.alloc_unsharded()
-            p.copy_from_gathered(blocks[:, offset : offset + p.shard_numel])
-            offset += p.shard_numel
+            p.copy_from_gathered(self.flat_layout.columns(blocks, i))
         self._gathered = self._gathered_event = None
 
     def _reduce_tags(self) -> UnitTags | None:
@@ -415,12 +416,10 @@ class FSDPUnit:
         current stream, independent of the unsharded parameters used for compute.
         """
         blocks = self._gather(self.dtype).view(self._shard_world, -1)
-        full = []
-        offset = 0
-        for p in self.params:
-            full.append(p.full_from_gathered(blocks[:, offset : offset + p.shard_numel]))
-            offset += p.shard_numel
-        return full
+        return [
+            p.full_from_gathered(self.flat_layout.columns(blocks, i))
+            for i, p in enumerate(self.params)
+        ]
 
     def expose(self, tensors: Sequence[torch.Tensor]) -> None:
         """Make the module see ``tensors`` (one per parameter) in place of the shards."""
@@ -434,17 +433,17 @@ class FSDPUnit:
         parameters] in ``_replaced``."""
         _replaced.adopt(self)
 
-    def new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Make a new zeroed flat shard buffer (with its tag elements) the unit's; return the
-        flat shard (1D, padded) to rebind the parameters into."""
-        numel = self._flat_shard.numel()
+    def new_flat_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
+        """Make a new zeroed flat shard buffer (with its tag elements) of ``layout`` the
+        unit's; return the flat shard (1D, padded) to rebind the parameters into."""
         self._flat_send = torch.zeros(
-            numel + _order_check.GATHER_TAG_NUMEL,
-            dtype=dtype,
+            layout.numel + _order_check.GATHER_TAG_NUMEL,
+            dtype=layout.dtype,
             device=device,
             pin_memory=self._pin and device.type == "cpu",
         )
-        self._flat_shard = self._flat_send[:numel]
+        self.flat_layout = layout
+        self._flat_shard = self._flat_send[: layout.numel]
         return self._flat_shard
 
     @property

@@ -230,7 +230,7 @@ def _view(state: FSDPState, names: dict[int, str], position: dict[int, int]) -> 
             ParamView(
                 fqn=param_fqn,
                 shape=tuple(p.full_shape),
-                dtype=unit.dtype,
+                dtype=p.padded_shard.dtype,
                 requires_grad=p.requires_grad,
                 shard_dim=p.shard_dim,
                 padded_rows=p.chunk_rows,

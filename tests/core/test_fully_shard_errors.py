@@ -134,9 +134,9 @@ class _TwoDtypes(nn.Module):
 @pytest.mark.distributed(world_size=2)
 def test_parameters_of_several_dtypes_in_one_unit_raise_naming_the_door(rank, process_group):
     """Trainable parameters of two dtypes: FSDP2's AssertionError (also a ValueError) with its
-    words; a frozen parameter of another dtype (FSDP2 accepts it, fsdp_core keeps one dtype per
-    unit): NotImplementedError. Each names the door called (the unit's error named the wrapper
-    for every door); the wrapper keeps FSDP1's ValueError."""
+    words, naming the door called (the unit's error named the wrapper for every door). A frozen
+    parameter of another dtype is FSDP2's and the composable doors' (tests/core/
+    test_mixed_dtypes.py); the wrapper keeps FSDP1's ValueError for it."""
     from fsdp_core import replicate
 
     mesh = _mesh(process_group)
@@ -145,9 +145,5 @@ def test_parameters_of_several_dtypes_in_one_unit_raise_naming_the_door(rank, pr
             shard(_TwoDtypes(half_trains=True), mesh=mesh)
         with pytest.raises(ValueError, match=r"torch.float16"):
             shard(_TwoDtypes(half_trains=True), mesh=mesh)
-        with pytest.raises(
-            NotImplementedError, match=rf"^{door}: parameters of other dtypes .*\[.scale"
-        ):
-            shard(_TwoDtypes(half_trains=False), mesh=mesh)
     with pytest.raises(ValueError, match=r"^FullyShardedDataParallel needs one dtype and device"):
         FSDP(_TwoDtypes(half_trains=False), process_group)

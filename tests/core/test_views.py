@@ -117,7 +117,10 @@ def test_wrapper_root_keeps_its_parameters_and_no_shard_replicates(rank, process
     assert (view.replicate_size, view.replicate_rank, view.replicate_ranks) == (2, rank, (0, 1))
     weight = _param(view, "a.weight")
     assert (weight.padded_rows, weight.local_shape, weight.padding_numel) == (3, (3, 5), 0)
-    assert (view.sharding_strategy, view.reshard_after_forward) == (ShardingStrategy.NO_SHARD, False)
+    assert (view.sharding_strategy, view.reshard_after_forward) == (
+        ShardingStrategy.NO_SHARD,
+        False,
+    )
 
 
 class _Leaf(nn.Module):

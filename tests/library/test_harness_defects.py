@@ -66,9 +66,7 @@ def test_fsdp1_offload_refusal_is_read_as_needing_an_accelerator() -> None:
     from fsdp_testing.engines import get_engine
 
     with pytest.raises(NotImplementedError) as info:
-        get_engine("torch_fsdp1").wrap(
-            nn.Linear(4, 4), cpu_offload=CPUOffload(offload_params=True)
-        )
+        get_engine("torch_fsdp1").wrap(nn.Linear(4, 4), cpu_offload=CPUOffload(offload_params=True))
     if torch.cuda.is_available():  # pragma: no cover - the refusal exists only without one
         pytest.skip("an accelerator is present")
     reason = _needs_accelerator(info.value)

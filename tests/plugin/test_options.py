@@ -24,7 +24,9 @@ def test_help_lists_options_without_importing_torch(pytester: pytest.Pytester) -
 def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--markers")
     result.stdout.fnmatch_lines(
-        ["*distributed(world_size=2, *, backend=None, mode='process', timeout=None, faults=(), rank=None)*"]
+        [
+            "*distributed(world_size=2, *, backend=None, mode='process', timeout=None, faults=(), rank=None)*"
+        ]
     )
 
 

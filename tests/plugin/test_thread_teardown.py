@@ -32,4 +32,6 @@ def test_a_teardown_that_never_ends_is_a_named_failure(run: Run) -> None:
 
 
 def test_the_next_test_runs(run: Run) -> None:
-    assert run.cases["test_next_test_runs"].outcome == "passed", run.cases["test_next_test_runs"].text
+    assert run.cases["test_next_test_runs"].outcome == "passed", run.cases[
+        "test_next_test_runs"
+    ].text

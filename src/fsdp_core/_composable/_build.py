@@ -223,7 +223,7 @@ def unit_factory(
         )
         precision = UnitPrecision.resolve(
             MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
-            specs[0].param.dtype,
+            _init.trained_dtype(specs),
         )
         unit = FSDPUnit(
             modules[0],

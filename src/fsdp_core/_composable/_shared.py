@@ -113,7 +113,10 @@ def _rebuild_without(state: FSDPState, leaving: set[int]) -> dict[int, torch.Ten
     if unit is None:
         raise AssertionError("a parameter moved out of a unit that has none")
     if unit.params[0].sharded.is_meta:
-        values = [torch.empty(p.full_shape, dtype=unit.dtype, device="meta") for p in unit.params]
+        values = [
+            torch.empty(p.full_shape, dtype=p.padded_shard.dtype, device="meta")
+            for p in unit.params
+        ]
     else:
         values = [t.to(unit.params[0].padded_shard.device) for t in unit.gather_full_params()]
     full = {id(p): v for p, v in zip(unit.params, values, strict=True)}
