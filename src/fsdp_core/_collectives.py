@@ -13,9 +13,25 @@ DDP operation for operation; any remaining difference comes from the order in wh
 sums the contributions. Under mixed precision the pre-division happens in ``reduce_dtype``
 (``FSDPUnit._reduce_input``), which keeps magnitudes bounded in low precision for the world
 sizes used here.
+
+[Note: custom collectives]
+FSDP2's ``set_custom_all_gather(comm)`` and ``set_custom_reduce_scatter(comm)`` hand a unit's
+all-gather or reduce-scatter to the caller's object (torch's ``AllGather``/``ReduceScatter``
+interface, duck-typed here): ``comm.allocate(size, dtype=, device=)`` makes the staging buffers
+(the all-gather's output; the reduce-scatter's input and output), and ``comm(output, input,
+group, async_op=False)`` (the reduce-scatter's with ``op`` before ``async_op``) runs the
+collective; a returned ``Work`` is waited on. The buffers keep the unit's layout and order tags,
+and the recorder still sees each collective. ``set_allocate_memory_from_process_group_for_comm``
+installs :class:`GroupAllocatedAllGather`/:class:`GroupAllocatedReduceScatter`: the default
+collectives on buffers from the process group's own allocator where its backend has one (NCCL
+with memory registration), else ``torch.empty`` (gloo); it cannot replace a custom comm.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,12 +39,117 @@ import torch.distributed as dist
 from . import events
 
 __all__ = [
+    "AllGatherComm",
+    "GroupAllocatedAllGather",
+    "GroupAllocatedReduceScatter",
+    "ReduceScatterComm",
     "all_gather_flat",
     "all_reduce_flat",
     "check_same_index",
     "moves_data",
+    "new_buffer",
     "reduce_scatter_flat",
 ]
+
+
+class AllGatherComm(Protocol):
+    """torch's ``AllGather`` interface; see [Note: custom collectives]."""
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+    def __call__(
+        self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any: ...
+
+
+class ReduceScatterComm(Protocol):
+    """torch's ``ReduceScatter`` interface; see [Note: custom collectives]."""
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any: ...
+
+
+def new_buffer(
+    comm: AllGatherComm | ReduceScatterComm | None,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A 1D staging buffer of ``numel`` elements, from ``comm.allocate`` if a comm is set."""
+    if comm is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffer = comm.allocate((numel,), dtype=dtype, device=device)
+    if buffer.numel() != numel or buffer.dtype != dtype or not buffer.is_contiguous():
+        raise ValueError(
+            f"{type(comm).__name__}.allocate(({numel},), dtype={dtype}, device={device}) "
+            f"returned a tensor of shape {tuple(buffer.shape)} and dtype {buffer.dtype}; it "
+            "must return a contiguous tensor of the size and dtype asked for."
+        )
+    return buffer.view(-1)
+
+
+def _group_allocate(
+    group: dist.ProcessGroup | None, size: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is not None:
+        backend = get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
+    return torch.empty(tuple(size), dtype=dtype, device=device)
+
+
+class GroupAllocatedAllGather:
+    """The default all-gather on buffers of ``group``'s allocator. See [Note: custom
+    collectives]."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _group_allocate(self.group, size, dtype, device)
+
+    def __call__(
+        self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+class GroupAllocatedReduceScatter:
+    """The default reduce-scatter on buffers of ``group``'s allocator. See [Note: custom
+    collectives]."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _group_allocate(self.group, size, dtype, device)
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
 
 
 def _publish(
@@ -47,30 +168,59 @@ def _publish(
     )
 
 
+# Looked up by name at call time (see above); the older spellings on older torch.
+_ALL_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+_REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
+
 def all_gather_flat(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str = ""
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    unit: str = "",
+    comm: AllGatherComm | None = None,
 ) -> torch.Tensor:
-    """All-gather equal 1D ``shard``s into ``output`` (1D, ``group size * shard.numel()``)."""
-    op = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    """All-gather equal 1D ``shard``s into ``output`` (1D, ``group size * shard.numel()``),
+    with ``comm`` if given (see [Note: custom collectives])."""
     if events.has_subscribers():
-        _publish(op, output.numel() * output.element_size(), (output, shard), group, unit)
-    getattr(dist, op)(output, shard, group=group)
+        _publish(_ALL_GATHER, output.numel() * output.element_size(), (output, shard), group, unit)
+    if comm is None:
+        getattr(dist, _ALL_GATHER)(output, shard, group=group)
+    else:
+        _wait(comm(output, shard, group, async_op=False))
     return output
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *, unit: str = ""
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    unit: str = "",
+    comm: ReduceScatterComm | None = None,
 ) -> torch.Tensor:
-    """Sum-reduce-scatter 1D ``full`` (``group size * output.numel()``) into ``output``.
+    """Sum-reduce-scatter 1D ``full`` (``group size * output.numel()``) into ``output``, with
+    ``comm`` if given (see [Note: custom collectives]).
 
     The caller pre-divides for an average. See [Note: gradient averaging].
     """
-    new_name = hasattr(dist, "reduce_scatter_single")
-    op = "reduce_scatter_single" if new_name else "reduce_scatter_tensor"
     if events.has_subscribers():
-        _publish(op, full.numel() * full.element_size(), (output, full), group, unit)
-    getattr(dist, op)(output, full, op=dist.ReduceOp.SUM, group=group)
+        _publish(_REDUCE_SCATTER, full.numel() * full.element_size(), (output, full), group, unit)
+    if comm is None:
+        getattr(dist, _REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group)
+    else:
+        _wait(comm(output, full, group, dist.ReduceOp.SUM, async_op=False))
     return output
+
+
+def _wait(work: Any) -> None:
+    if work is not None and hasattr(work, "wait"):
+        work.wait()
 
 
 def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str = "") -> None:

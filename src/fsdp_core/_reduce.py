@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import _collectives, _order_check
+from ._collectives import ReduceScatterComm
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
 
@@ -65,6 +66,7 @@ def reduce_gradients(
     unit: str,
     all_reduce: bool = True,
     partial: torch.Tensor | None = None,
+    comm: ReduceScatterComm | None = None,
 ) -> torch.Tensor:
     """This rank's summed gradient shard (1D, ``numel``) from the pre-divided input.
 
@@ -79,6 +81,7 @@ def reduce_gradients(
             returns the reduce-scattered shard (``set_requires_all_reduce(False)``).
         partial: reduce-scattered shards of earlier backwards that were not all-reduced,
             added before the all-reduce (default ``None``).
+        comm: a custom reduce-scatter (``set_custom_reduce_scatter``; default ``None``).
     """
     if groups.world == 1:
         return reduce_input.view(-1)[:numel]
@@ -90,10 +93,12 @@ def reduce_gradients(
             _order_check.write_reduce_tag(reduce_input, code, groups.shard_rank, groups.shard_size)
         row = reduce_input.shape[1]
         # Room for the all-reduce's tags after the shard, which replace the scatter's.
-        reduced = torch.empty(
-            numel + max(scatter, replicas), dtype=reduce_input.dtype, device=reduce_input.device
+        reduced = _collectives.new_buffer(
+            comm, numel + max(scatter, replicas), reduce_input.dtype, reduce_input.device
         )
-        _collectives.reduce_scatter_flat(reduced[:row], reduce_input.view(-1), shard, unit=unit)
+        _collectives.reduce_scatter_flat(
+            reduced[:row], reduce_input.view(-1), shard, unit=unit, comm=comm
+        )
         if tags is not None:
             tags.check(code, reduced[numel:row], shard)
     else:

@@ -4,7 +4,7 @@ An :class:`FSDPState` drives one :class:`~fsdp_core._unit.FSDPUnit` (or none, wh
 owns no parameters) through a training step. The front door calls :meth:`FSDPState.pre_forward`
 and :meth:`FSDPState.post_forward` around the module's forward (the wrapper from its
 ``forward``, the composable door from the forward pre-hook and hook it registers on the
-module, see ``_composable/_fsdp_module.ForwardHooks``); ``fsdp_core.debug.suspend_hooks``
+module, see ``_composable/_hooks.ForwardHooks``); ``fsdp_core.debug.suspend_hooks``
 switches both off. Everything in backward is driven by autograd hooks the state registers itself:
 
 - pre-backward: a hook on each forward output that requires grad unshards the unit when the

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives, _offload, _order_check, _replaced, events
+from ._collectives import AllGatherComm, ReduceScatterComm
 from ._flat import FlatLayout
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
@@ -88,10 +89,10 @@ class FSDPUnit:
         self.groups = groups
         self.name = type(module).__name__  # the FQN once the root is known
         self.is_unsharded = False
-        self._shard_world = groups.shard_size
-        self._shard_rank = groups.shard_rank
+        self.shard_world = groups.shard_size  # ranks the parameters are sharded over (1: not)
+        self.shard_rank = groups.shard_rank  # this rank's index in the shard group
         self._replicas = groups.replicate_size
-        self._sharded = self._shard_world > 1
+        self._sharded = self.shard_world > 1
 
         first = specs[0].param
         # Of the sharded parameters that train; frozen ones may have others (the composable
@@ -125,7 +126,7 @@ class FSDPUnit:
         alias = not self._sharded and not offload_params and not self.precision.casts_params
 
         numels = [
-            math.prod(chunk_shape(local_tensor(s.param).shape, s.shard_dim, self._shard_world))
+            math.prod(chunk_shape(local_tensor(s.param).shape, s.shard_dim, self.shard_world))
             for s in specs
         ]
         self.flat_layout = FlatLayout([s.param.dtype for s in specs], numels)
@@ -144,8 +145,8 @@ class FSDPUnit:
             ShardedParam(
                 spec,
                 self.flat_layout.segment(self._flat_shard, i),
-                shard_world=self._shard_world,
-                shard_rank=self._shard_rank,
+                shard_world=self.shard_world,
+                shard_rank=self.shard_rank,
                 compute_dtype=self.precision.compute_dtype_of(spec.param.dtype),
                 compute_device=self.device,
                 alias=alias,
@@ -181,6 +182,9 @@ class FSDPUnit:
         self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
         self.gradient_divide_factor: float | None = None  # ``set_gradient_divide_factor``
         self.reduce_scatter_max_input_buffers = 1  # ``set_reduce_scatter_max_input_buffers``
+        # ``set_custom_all_gather``/``_reduce_scatter``; see [Note: custom collectives].
+        self.all_gather_comm: AllGatherComm | None = None
+        self.reduce_scatter_comm: ReduceScatterComm | None = None
         for p in self.params:
             p.expose_sharded()
 
@@ -326,14 +330,17 @@ class FSDPUnit:
         group = self.groups.shard
         if group is None or not self._sharded:
             return send
-        gathered = torch.empty(self._shard_world * send.numel(), dtype=dtype, device=self.device)
+        comm = self.all_gather_comm
+        gathered = _collectives.new_buffer(
+            comm, self.shard_world * send.numel(), dtype, self.device
+        )
         if tags is None or op is None:
-            _collectives.all_gather_flat(gathered, send, group, unit=self.name)
+            _collectives.all_gather_flat(gathered, send, group, unit=self.name, comm=comm)
             return gathered
         code = tags.code(op)
         _order_check.write_gather_tag(send, code)
-        _collectives.all_gather_flat(gathered, send, group, unit=self.name)
-        tags.check(code, gathered.view(self._shard_world, -1)[:, numel:].reshape(-1), group)
+        _collectives.all_gather_flat(gathered, send, group, unit=self.name, comm=comm)
+        tags.check(code, gathered.view(self.shard_world, -1)[:, numel:].reshape(-1), group)
         return gathered
 
     def _copy_out(self) -> None:
@@ -343,7 +350,7 @@ class FSDPUnit:
         post_forward = self.post_forward
         if post_forward is not None and self._reason in ("forward", "forward_prefetch"):
             post_forward.keep(gathered)
-        blocks = gathered.view(self._shard_world, -1)
+        blocks = gathered.view(self.shard_world, -1)
         for i, p in enumerate(self.params):
             p.alloc_unsharded()
             p.copy_from_gathered(self.flat_layout.columns(blocks, i))
@@ -363,11 +370,11 @@ class FSDPUnit:
         :meth:`_reduce` writes this rank's; see [Note: order check].
         """
         slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
-        full = torch.zeros(
-            (self._shard_world, self._grad_numel + slots),
-            dtype=self.precision.reduce_dtype,
-            device=self.device,
+        shape = (self.shard_world, self._grad_numel + slots)
+        full = _collectives.new_buffer(
+            self.reduce_scatter_comm, math.prod(shape), self.precision.reduce_dtype, self.device
         )
+        full = full.view(shape).zero_()
         for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
             if grad is not None:
                 full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
@@ -387,7 +394,7 @@ class FSDPUnit:
         all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
         reduced = reduce_gradients(
             reduce_input, numel, self.groups, tags, unit=self.name,
-            all_reduce=all_reduce, partial=self._partial_reduced,
+            all_reduce=all_reduce, partial=self._partial_reduced, comm=self.reduce_scatter_comm,
         )  # fmt: skip
         self._partial_reduced = None if all_reduce else reduced
         if all_reduce and self.all_reduce_hook is not None:
@@ -415,7 +422,7 @@ class FSDPUnit:
         Used by ``summon_full_params``: one all-gather unless unsharded, synchronous on the
         current stream, independent of the unsharded parameters used for compute.
         """
-        blocks = self._gather(self.dtype).view(self._shard_world, -1)
+        blocks = self._gather(self.dtype).view(self.shard_world, -1)
         return [
             p.full_from_gathered(self.flat_layout.columns(blocks, i))
             for i, p in enumerate(self.params)
@@ -449,14 +456,6 @@ class FSDPUnit:
     @property
     def flat_shard(self) -> torch.Tensor:  # 1D, padded; every sharded parameter is a view
         return self._flat_shard
-
-    @property
-    def shard_world(self) -> int:  # ranks the parameters are sharded over (1: unsharded)
-        return self._shard_world
-
-    @property
-    def shard_rank(self) -> int:  # this rank's index in the shard group
-        return self._shard_rank
 
     @property
     def flat_shard_numel(self) -> int:  # of this rank's padded flat shard

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._composable._fsdp_module import api_of, hooks_of
+from ._composable._fsdp_module import api_of
+from ._composable._hooks import hooks_of
 from ._param import ShardedState
 from ._runtime import FSDPState, clean_fqn, states_in
 from .api import ShardingStrategy, TrainingState

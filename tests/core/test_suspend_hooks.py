@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import FSDP, events, fully_shard
-from fsdp_core._composable._fsdp_module import hooks_of
+from fsdp_core._composable._hooks import hooks_of
 from fsdp_core.debug import suspend_hooks
 
 

@@ -23,7 +23,8 @@ from .._unit import FSDPUnit
 from ..api import MixedPrecision, TrainingState
 from ..fully_sharded_data_parallel import FullyShardedDataParallel
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_module import API_KEY, ForwardHooks, FSDPModule, api_of, load_full_tensors_hook
+from ._fsdp_module import API_KEY, FSDPModule, api_of
+from ._hooks import ForwardHooks, load_full_tensors_hook
 from ._placement import ShardPlacementFn, place_params
 from ._shared import UnitFactory, mark_taken, move_shared_params, taken
 

@@ -1,6 +1,5 @@
-"""``FSDPModule``: the methods a ``fully_shard``-ed module gains, its forward hooks, and torch
-FSDP2's helpers around them (``UnshardHandle``, ``register_fsdp_forward_method``,
-``share_comm_ctx``)."""
+"""``FSDPModule``: the methods a ``fully_shard``-ed module gains, and torch FSDP2's helpers
+around them (``UnshardHandle``, ``register_fsdp_forward_method``, ``share_comm_ctx``)."""
 
 from __future__ import annotations
 
@@ -11,22 +10,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from .._collectives import (
+    AllGatherComm,
+    GroupAllocatedAllGather,
+    GroupAllocatedReduceScatter,
+    ReduceScatterComm,
+)
 from .._post_forward import PostForwardShards, post_forward_group
 from .._reduce import AllReduceHook
 from .._runtime import FSDPState, state_of, states_in
 from .._unit import FSDPUnit
-from ..api import TrainingState
+from ._hooks import ForwardHooks
 
 __all__ = [
     "API_KEY",
     "FSDPModule",
-    "ForwardHooks",
     "UnshardHandle",
     "api_of",
-    "hooks_of",
-    "load_full_tensors_hook",
     "register_fsdp_forward_method",
     "resolve_reshard_after_forward",
     "share_comm_ctx",
@@ -40,12 +41,6 @@ API_KEY = "_fsdp_api"
 def api_of(module: nn.Module) -> str:
     """``"fully_shard"`` or ``"replicate"``: the door that gave ``module`` its state."""
     return str(module.__dict__.get(API_KEY, "fully_shard"))
-
-
-def hooks_of(module: nn.Module) -> ForwardHooks | None:
-    """The forward hooks the composable door gave ``module``, or ``None``."""
-    hooks = module.__dict__.get("_fsdp_forward_hooks")
-    return hooks if isinstance(hooks, ForwardHooks) else None
 
 
 class UnshardHandle:
@@ -264,6 +259,59 @@ class FSDPModule:
             if state.unit is not None:
                 state.unit.reduce_scatter_max_input_buffers = max_input_buffers
 
+    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
+        """All-gather this module's parameters with ``comm`` (torch's ``AllGather``
+        interface: ``allocate`` makes the output buffer, calling it runs the collective); see
+        [Note: custom collectives] in ``_collectives``. Not recursive.
+
+        Args:
+            comm: the all-gather.
+        """
+        comm = _checked_comm("set_custom_all_gather", comm)
+        unit = self._get_fsdp_state().unit
+        if unit is not None:
+            unit.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
+        """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter``
+        interface), as :meth:`set_custom_all_gather`. Not recursive.
+
+        Args:
+            comm: the reduce-scatter.
+        """
+        comm = _checked_comm("set_custom_reduce_scatter", comm)
+        unit = self._get_fsdp_state().unit
+        if unit is not None:
+            unit.reduce_scatter_comm = comm
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate this module's all-gather and reduce-scatter buffers from the process
+        group's own allocator where its backend has one (NCCL memory registration), else as
+        usual; see [Note: custom collectives] in ``_collectives``. Raises ``AssertionError``
+        after :meth:`set_custom_all_gather` or :meth:`set_custom_reduce_scatter`, which choose
+        their own buffers (a custom comm set afterwards replaces this). Not recursive.
+
+        Args:
+            enable: whether to allocate from the process group.
+        """
+        unit = self._get_fsdp_state().unit
+        if unit is None:
+            return
+        defaults = (None, GroupAllocatedAllGather, GroupAllocatedReduceScatter)
+        for name, comm in (
+            ("all-gather", unit.all_gather_comm),
+            ("reduce-scatter", unit.reduce_scatter_comm),
+        ):
+            if comm is not None and type(comm) not in defaults:
+                raise AssertionError(
+                    "set_allocate_memory_from_process_group_for_comm: this module's "
+                    f"{name} is custom ({type(comm).__name__}), which allocates its own "
+                    "buffers; set one or the other."
+                )
+        group = unit.groups.shard
+        unit.all_gather_comm = GroupAllocatedAllGather(group) if enable else None
+        unit.reduce_scatter_comm = GroupAllocatedReduceScatter(group) if enable else None
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters (default ``True``); ``False`` skips
         the all-gather in backward where the gradients need no parameters (an embedding).
@@ -321,118 +369,13 @@ class FSDPModule:
         return result
 
 
-class ForwardHooks:
-    """The forward pre-hook and hook of one unit's modules.
-
-    [Note: grouped modules]
-    ``fully_shard([a, b])`` makes one unit of several modules. Inside the root's forward the
-    unit unshards when the first of them starts and reshards when every one has finished; a
-    module re-entered (a registered forward method calling ``forward``) counts once. As in
-    FSDP2, the forward may run only some of them (chunked loss: ``fully_shard([norm,
-    head])`` with the model's forward running ``norm`` only): when the root's forward ends,
-    such a unit is completed (resharded as after its forward; the outputs of the modules that
-    ran already carry its pre-backward hook). A module of a group called on its own outside the
-    root's forward (``head`` per chunk) is a forward of the unit by itself: unshard, run,
-    reshard, and its backward reduces what it produced. Every module of a group casts its
-    inputs and outputs by the unit's ``mp_policy``.
-
-    ``handles`` are the door's hooks on the modules (forward pre-hook, forward hook,
-    load-state-dict pre-hook, per module). While the state's hooks are suspended
-    (``fsdp_core.suspend_hooks``) both hooks pass everything through: a switch rather than
-    removing them through the handles, so that they keep their place among the user's hooks on
-    the same modules.
-    """
-
-    def __init__(self, state: FSDPState, modules: list[nn.Module]) -> None:
-        self.state = state
-        self.modules = modules
-        self.handles: list[RemovableHandle] = []
-        self._remaining: set[int] = set()
-        self._depth: dict[int, int] = {}
-
-    def pre(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.state.hooks_suspended:
-            return args, kwargs
-        if self.state.training_state is TrainingState.PRE_BACKWARD:
-            return self.state.pre_forward(args, kwargs)  # a recompute inside backward
-        if not self._remaining:
-            root = self.state.root  # a module of a group called outside the root's forward:
-            alone = (
-                root is not None
-                and root is not self.state
-                and root.training_state is not TrainingState.FORWARD
-            )
-            self._remaining = {id(module)} if alone else {id(m) for m in self.modules}
-            args, kwargs = self.state.pre_forward(args, kwargs)
-        else:
-            args, kwargs = self.state.cast_forward_inputs(args, kwargs)
-        self._depth[id(module)] = self._depth.get(id(module), 0) + 1
-        return args, kwargs
-
-    def post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.state.hooks_suspended:
-            return output
-        if self.state.training_state is TrainingState.PRE_BACKWARD:
-            return self.state.post_forward(output)
-        depth = self._depth.get(id(module), 0) - 1
-        self._depth[id(module)] = depth
-        if depth > 0:
-            return output
-        self._remaining.discard(id(module))
-        if self._remaining:
-            output = self.state.cast_output(output)
-            if torch.is_grad_enabled():
-                self.state.hook_outputs(output)
-            return output
-        if self.state.is_root:
-            for state in self.state.all_states:
-                hooks = state.owner.__dict__.get("_fsdp_forward_hooks")
-                if hooks is not None and hooks is not self and hooks._remaining:
-                    hooks.complete()
-        return self.state.post_forward(output)
-
-    def complete(self) -> None:
-        """End a forward that ran only some of the modules. See [Note: grouped modules]."""
-        self._remaining.clear()
-        self._depth.clear()
-        self.state.post_forward(None)
-
-    def reset(self) -> None:
-        """Forget a forward an exception interrupted."""
-        self._remaining.clear()
-        self._depth.clear()
-
-
-def load_full_tensors_hook(module: nn.Module, state: FSDPState) -> Any:
-    """A load-state-dict pre-hook turning full tensors into this rank's ``DTensor`` shards
-    (of ``state``'s unit at load time: a shared parameter may have moved out of it)."""
-
-    def by_name() -> dict[str, Any]:
-        found: dict[str, Any] = {}
-        if state.unit is None:
-            return found
-        names = {id(m): name for name, m in module.named_modules()}
-        for p in state.unit.params:
-            for owner, attr in p.slots:
-                if id(owner) in names:
-                    prefix = names[id(owner)]
-                    found[f"{prefix}.{attr}" if prefix else attr] = p
-        return found
-
-    def hook(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        from torch.distributed.tensor import DTensor
-
-        for name, p in by_name().items():
-            key = prefix + name
-            value = state_dict.get(key)
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                if tuple(value.shape) != tuple(p.full_shape):
-                    continue  # nn.Module reports the size mismatch
-                state_dict[key] = p.shard_of(value)
-
-    return hook
+def _checked_comm(api: str, comm: Any) -> Any:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{api}: expected an object with allocate(size, *, dtype, device) and __call__ "
+            f"(torch's AllGather/ReduceScatter interface), got {type(comm).__name__}."
+        )
+    return comm
 
 
 def resolve_reshard_after_forward(api: str, value: object, shard_world: int) -> bool | int:
