@@ -33,6 +33,7 @@ from torch import nn
 
 from . import _collectives, _offload, _order_check, _replaced, events
 from ._collectives import AllGatherComm, ReduceScatterComm
+from ._extensions import GatherExtensions
 from ._flat import FlatLayout
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
@@ -165,6 +166,8 @@ class FSDPUnit:
         # All-gather output waiting for its copy-out (CUDA: until ``wait_for_unshard``).
         self._gathered: torch.Tensor | None = None  # 1D, shard_world * flat shard numel
         self._gathered_event: torch.cuda.Event | None = None
+        self._extensions: GatherExtensions | None = None  # see ``_copy_out``
+        self.mp_policy: object = None  # the composable door's, for ``fsdp_pre_all_gather``
         self._reason: events.UnshardReason = "explicit"  # of the pending unshard
         # Set by the door for ``reshard_after_forward=N``; see [Note: reshard after forward to
         # a smaller world] in ``_post_forward``.
@@ -258,6 +261,8 @@ class FSDPUnit:
         self._gathered = self._gathered_event = None
         for p in self.params:
             p.to_sharded()
+        if self._extensions is not None:
+            self._extensions.reshard()
         self.is_unsharded = False
         if events.has_subscribers():
             events.publish(
@@ -351,9 +356,14 @@ class FSDPUnit:
         if post_forward is not None and self._reason in ("forward", "forward_prefetch"):
             post_forward.keep(gathered)
         blocks = gathered.view(self.shard_world, -1)
+        extended = GatherExtensions.find(self) if self.layout is not None else {}
         for i, p in enumerate(self.params):
             p.alloc_unsharded()
-            p.copy_from_gathered(self.flat_layout.columns(blocks, i))
+            if i not in extended:
+                p.copy_from_gathered(self.flat_layout.columns(blocks, i))
+        if extended or self._extensions is not None:  # see [Note: all-gather extensions]
+            self._extensions = self._extensions or GatherExtensions()
+            self._extensions.unshard(self, extended)
         self._gathered = self._gathered_event = None
 
     def _reduce_tags(self) -> UnitTags | None:
@@ -456,14 +466,6 @@ class FSDPUnit:
     @property
     def flat_shard(self) -> torch.Tensor:  # 1D, padded; every sharded parameter is a view
         return self._flat_shard
-
-    @property
-    def flat_shard_numel(self) -> int:  # of this rank's padded flat shard
-        return self._flat_shard.numel()
-
-    def use_sharded_params(self) -> None:
-        for p in self.params:
-            p.expose_sharded()
 
     def write_back(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy this rank's rows of every full tensor in ``tensors`` into the shards."""

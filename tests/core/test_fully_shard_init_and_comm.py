@@ -113,7 +113,7 @@ def test_meta_device_init_allocates_only_shards_and_trains_like_ddp(rank, proces
         unit = state.unit
         assert unit is not None
         padded = sum(math.ceil(p.rows / world) * math.prod(p.rest) for p in unit.params)
-        assert unit.flat_shard_numel == padded, unit.name
+        assert unit.flat_shard.numel() == padded, unit.name
         assert unit._flat_shard.device == CPU, unit.name
         assert all(p.unsharded.untyped_storage().nbytes() == 0 for p in unit.params), unit.name
     for name, p in model.named_parameters():

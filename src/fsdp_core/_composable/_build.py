@@ -238,6 +238,7 @@ def unit_factory(
         )
         # FSDP2's no-sync accumulation dtype, and .grad None for parameters without gradients
         unit.upcast_unreduced_grads = unit.skip_params_without_grads = True
+        unit.mp_policy = mp_policy
         if then is not None:
             then(unit)
         mark_taken(specs, unit)

@@ -197,7 +197,7 @@ def _flat_shard_dtensor(unit: FSDPUnit, offload: bool) -> Any:
 
 def _load_flat_shard(key: str, unit: FSDPUnit, value: Any) -> None:
     local = local_tensor(value) if isinstance(value, torch.Tensor) else value
-    expected = unit.flat_shard_numel
+    expected = unit.flat_shard.numel()
     if not isinstance(local, torch.Tensor) or local.numel() != expected:
         got = local.numel() if isinstance(local, torch.Tensor) else type(value).__name__
         raise ValueError(

@@ -75,7 +75,8 @@ def summon_full_params(
         yield
     finally:
         for unit, temps in summoned:
-            unit.use_sharded_params()
+            for p in unit.params:
+                p.expose_sharded()
             if writeback:
                 unit.write_back(temps)
         for state in states:
@@ -132,7 +133,7 @@ def _gather_full_grads(unit: FSDPUnit) -> list[torch.Tensor | None]:
     the original dtype.
     """
     rows = [p.sharded_grad_rows() for p in unit.params]
-    flat = torch.zeros(unit.flat_shard_numel, dtype=unit.dtype, device=unit.device)
+    flat = torch.zeros(unit.flat_shard.numel(), dtype=unit.dtype, device=unit.device)
     has_grad = torch.tensor([g is not None for g in rows], dtype=torch.int32)
     offset = 0
     for p, grad in zip(unit.params, rows, strict=True):
