@@ -77,6 +77,7 @@ __all__ = [
     "codes_from_digits",
     "decode",
     "encode",
+    "gathered_tags",
     "reduce_tag_numel",
     "write_gather_tag",
     "write_reduce_tag",
@@ -152,11 +153,32 @@ def codes_from_digits(values: Sequence[float]) -> list[int | None]:
     return codes
 
 
+# The digit pairs written so far, as tensors, by (code, dtype, device): one copy writes a tag.
+_PAIRS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _digit_pair(code: int, like: torch.Tensor) -> torch.Tensor:
+    if type(like) is not torch.Tensor:  # a fake tensor (planning): a pair of its mode's
+        return torch.tensor(digits(code), dtype=like.dtype, device=like.device)
+    key = (code, like.dtype, like.device)
+    pair = _PAIRS.get(key)
+    if pair is None:
+        if len(_PAIRS) >= 1 << 14:  # bounded: codes are 16-bit
+            _PAIRS.clear()
+        pair = _PAIRS[key] = torch.tensor(digits(code), dtype=like.dtype, device=like.device)
+    return pair
+
+
 def write_gather_tag(send: torch.Tensor, code: int) -> None:
     """Put ``code`` into the last :data:`GATHER_TAG_NUMEL` elements of ``send`` (1D)."""
-    high, low = digits(code)
-    send[-2].fill_(high)
-    send[-1].fill_(low)
+    send[-_DIGITS:].copy_(_digit_pair(code, send))
+
+
+def gathered_tags(gathered: torch.Tensor, world: int, numel: int) -> torch.Tensor:
+    """The ``(world, 2)`` digit pairs of an all-gather's output (1D, ``world`` blocks of
+    ``numel`` elements and a pair each), as one strided view."""
+    row = gathered.numel() // world
+    return gathered.as_strided((world, _DIGITS), (row, 1), gathered.storage_offset() + numel)
 
 
 def write_reduce_tag(rows: torch.Tensor, code: int, group_rank: int, group_size: int) -> None:
@@ -164,10 +186,8 @@ def write_reduce_tag(rows: torch.Tensor, code: int, group_rank: int, group_size:
 
     The other ranks' pairs are left as they are (zero).
     """
-    high, low = digits(code)
     first = rows.shape[1] - reduce_tag_numel(group_size) + _DIGITS * group_rank
-    rows[:, first].fill_(high)
-    rows[:, first + 1].fill_(low)
+    rows[:, first : first + _DIGITS].copy_(_digit_pair(code, rows))
 
 
 @dataclass
@@ -192,6 +212,7 @@ class OrderChecker:
         self.names = list(names)
         self.iteration = 0  # root forwards so far; the first forward is iteration 1
         self._pending: list[_Pending] = []
+        self._moves_data: dict[int, bool] = {}  # by id(group): ``_collectives.moves_data``
 
     def begin_iteration(self) -> None:
         """The root's forward starts. Tags of an iteration that never ended are compared first."""
@@ -205,13 +226,16 @@ class OrderChecker:
         return encode(unit_index, op, self.iteration)
 
     def check(self, group: dist.ProcessGroup, code: int, received: torch.Tensor) -> None:
-        """Compare ``received`` (1D, a digit pair per rank of ``group``) with ``code``; raise
-        on a mismatch.
+        """Compare ``received`` (a digit pair per rank of ``group``: 1D, or ``(ranks, 2)``)
+        with ``code``; raise on a mismatch.
 
         On CUDA the comparison waits for :meth:`flush`. See [Note: order check]. Over a fake
         backend nothing was received (``_collectives.moves_data``): nothing is compared.
         """
-        if not _collectives.moves_data(group):
+        moves = self._moves_data.get(id(group))
+        if moves is None:  # the groups live as long as the units that hold them
+            moves = self._moves_data[id(group)] = _collectives.moves_data(group)
+        if not moves:
             return
         if received.device.type != "cuda":
             self._compare(group, code, self.iteration, received.tolist())
@@ -228,9 +252,11 @@ class OrderChecker:
             p.copied.synchronize()
             self._compare(p.group, p.code, p.iteration, p.host.tolist())
 
-    def _compare(
-        self, group: dist.ProcessGroup, code: int, iteration: int, values: list[float]
-    ) -> None:
+    def _compare(self, group: dist.ProcessGroup, code: int, iteration: int, values: list) -> None:
+        if values and isinstance(values[0], list):  # ``(ranks, 2)``
+            values = [digit for pair in values for digit in pair]
+        if values == list(digits(code)) * (len(values) // _DIGITS):
+            return
         codes = codes_from_digits(values)
         if all(c == code for c in codes):
             return
@@ -276,10 +302,16 @@ class UnitTags:
     def __init__(self, checker: OrderChecker, unit_index: int) -> None:
         self.checker = checker
         self.unit_index = unit_index
+        # By (op, iteration modulo 4): what the code depends on.
+        self._codes: dict[tuple[TagOp, int], int] = {}
 
     def code(self, op: TagOp) -> int:
         """The code this rank sends with the unit's next ``op`` collective."""
-        return self.checker.code(self.unit_index, op)
+        key = (op, self.checker.iteration % (1 << _ITERATION_BITS))
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = self.checker.code(self.unit_index, op)
+        return code
 
     def check(self, code: int, received: torch.Tensor, group: dist.ProcessGroup) -> None:
         """Compare the digit pairs ``received`` (1D, one per rank of ``group``, the group of

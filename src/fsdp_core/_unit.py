@@ -345,7 +345,7 @@ class FSDPUnit:
         code = tags.code(op)
         _order_check.write_gather_tag(send, code)
         _collectives.all_gather_flat(gathered, send, group, unit=self.name, comm=comm)
-        tags.check(code, gathered.view(self.shard_world, -1)[:, numel:].reshape(-1), group)
+        tags.check(code, _order_check.gathered_tags(gathered, self.shard_world, numel), group)
         return gathered
 
     def _copy_out(self) -> None:
