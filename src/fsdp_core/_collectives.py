@@ -100,20 +100,9 @@ def new_buffer(
     return buffer.view(-1)
 
 
-def _group_allocate(
-    group: dist.ProcessGroup | None, size: Sequence[int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    get_backend = getattr(group, "_get_backend", None)
-    if get_backend is not None:
-        backend = get_backend(device)
-        if backend.supports_tensor_alloc(device):
-            return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
-    return torch.empty(tuple(size), dtype=dtype, device=device)
-
-
-class GroupAllocatedAllGather:
-    """The default all-gather on buffers of ``group``'s allocator. See [Note: custom
-    collectives]."""
+class _GroupAllocated:
+    """Staging buffers from ``group``'s backend's allocator where it has one (NCCL with memory
+    registration), else ``torch.empty``."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -121,7 +110,17 @@ class GroupAllocatedAllGather:
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        return _group_allocate(self.group, size, dtype, device)
+        get_backend = getattr(self.group, "_get_backend", None)
+        if get_backend is not None:
+            backend = get_backend(device)
+            if backend.supports_tensor_alloc(device):
+                return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+
+class GroupAllocatedAllGather(_GroupAllocated):
+    """The default all-gather on buffers of the group's allocator. See [Note: custom
+    collectives]."""
 
     def __call__(
         self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
@@ -129,17 +128,9 @@ class GroupAllocatedAllGather:
         return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
 
 
-class GroupAllocatedReduceScatter:
-    """The default reduce-scatter on buffers of ``group``'s allocator. See [Note: custom
+class GroupAllocatedReduceScatter(_GroupAllocated):
+    """The default reduce-scatter on buffers of the group's allocator. See [Note: custom
     collectives]."""
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _group_allocate(self.group, size, dtype, device)
 
     def __call__(
         self,
