@@ -1,6 +1,7 @@
 """Thread mode cannot deadlock in teardown (issue 23): a rank that dies holding one of torch's
 threaded-group locks, or a teardown that never ends, becomes a named failure within the test's
-deadline, and the next test runs. (The stress run is ``test_thread_stress.py``.)"""
+deadline, and the next test runs. (The stress run is ``scripts/thread_stress.py``;
+``test_thread_stress.py`` is its short version.)"""
 
 from __future__ import annotations
 
