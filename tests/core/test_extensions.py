@@ -90,7 +90,7 @@ def test_an_extension_decides_what_is_gathered_and_computed_with(
     reference = _rounded(plain)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
 
-    for step in range(2):
+    for _step in range(2):
         out = model(x)
         torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
         out.sum().backward()
