@@ -6,6 +6,7 @@ captured once and restored after every test. See [Note: warm pool isolation] in
 
 from __future__ import annotations
 
+import operator
 import random
 import types
 
@@ -43,9 +44,16 @@ class RankState:
 
         for module, attrs in zip(self._modules, self._attrs, strict=True):
             current = vars(module)
+            # The common case, nothing added, removed or rebound, checked in C before the
+            # Python loop over some 400 attributes below.
+            if current.keys() == attrs.keys() and not any(
+                map(operator.is_not, map(current.get, attrs), attrs.values())
+            ):
+                continue
             for key in [k for k in current if k not in attrs]:
                 if isinstance(current[key], types.ModuleType):
-                    continue  # a submodule imported during the test stays imported
+                    attrs[key] = current[key]  # a submodule imported during the test stays
+                    continue
                 delattr(module, key)
             for key, value in attrs.items():
                 if key in _MONOTONIC:
