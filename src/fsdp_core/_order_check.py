@@ -153,25 +153,13 @@ def codes_from_digits(values: Sequence[float]) -> list[int | None]:
     return codes
 
 
-# The digit pairs written so far, as tensors, by (code, dtype, device): one copy writes a tag.
-_PAIRS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _digit_pair(code: int, like: torch.Tensor) -> torch.Tensor:
-    if type(like) is not torch.Tensor:  # a fake tensor (planning): a pair of its mode's
-        return torch.tensor(digits(code), dtype=like.dtype, device=like.device)
-    key = (code, like.dtype, like.device)
-    pair = _PAIRS.get(key)
-    if pair is None:
-        if len(_PAIRS) >= 1 << 14:  # bounded: codes are 16-bit
-            _PAIRS.clear()
-        pair = _PAIRS[key] = torch.tensor(digits(code), dtype=like.dtype, device=like.device)
-    return pair
-
-
 def write_gather_tag(send: torch.Tensor, code: int) -> None:
     """Put ``code`` into the last :data:`GATHER_TAG_NUMEL` elements of ``send`` (1D)."""
-    send[-_DIGITS:].copy_(_digit_pair(code, send))
+    # Scalar fills, not a copy from cached digit-pair tensors: small tensors kept alive from
+    # the middle of a step pin glibc's heap and raised peak RSS by tens of MiB.
+    high, low = digits(code)
+    send[-2].fill_(high)
+    send[-1].fill_(low)
 
 
 def gathered_tags(gathered: torch.Tensor, world: int, numel: int) -> torch.Tensor:
@@ -186,8 +174,10 @@ def write_reduce_tag(rows: torch.Tensor, code: int, group_rank: int, group_size:
 
     The other ranks' pairs are left as they are (zero).
     """
+    high, low = digits(code)
     first = rows.shape[1] - reduce_tag_numel(group_size) + _DIGITS * group_rank
-    rows[:, first : first + _DIGITS].copy_(_digit_pair(code, rows))
+    rows[:, first].fill_(high)
+    rows[:, first + 1].fill_(low)
 
 
 @dataclass
