@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -287,11 +288,24 @@ def paired_ratios(times: list[dict[str, list[float]]], num: str, den: str) -> li
     return [max(t[num][r] for t in times) / max(t[den][r] for t in times) for r in range(rounds)]
 
 
+def median_interval(ratios: list[float]) -> tuple[float, float]:
+    """A 95% confidence interval of the median of ``ratios`` that assumes nothing of their
+    distribution: the order statistics ``n/2 -+ 0.98 sqrt(n)`` (the normal approximation of
+    the binomial count of values below the median)."""
+    ordered = sorted(ratios)
+    n = len(ordered)
+    half = 0.98 * math.sqrt(n)
+    low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return ordered[low], ordered[high]
+
+
 def order_check_cost(interleaved: list[dict[str, list[float]]]) -> dict[str, Any]:
-    """fsdp_core's paired ratio to itself with the order tags off: median, quartiles, ratios."""
+    """fsdp_core's paired ratio to itself with the order tags off: median, quartiles, a 95%
+    interval of the median, ratios."""
     ratios = sorted(paired_ratios(interleaved, "fsdp_core", CORE_UNTAGGED))
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    return {"median": median, "q1": q1, "q3": q3, "ratios": ratios}
+    low, high = median_interval(ratios)
+    return {"median": median, "q1": q1, "q3": q3, "ci95": [low, high], "ratios": ratios}
 
 
 def _load(out_dir: str, name: str) -> Any:
@@ -505,7 +519,8 @@ def main() -> None:
         print(
             f"order check: fsdp_core / fsdp_core with the tags off = {cost['median']:.4f} (median "
             f"of {len(cost['ratios'])} paired rounds; quartiles {cost['q1']:.4f} to "
-            f"{cost['q3']:.4f})"
+            f"{cost['q3']:.4f}; 95% interval of the median {cost['ci95'][0]:.4f} to "
+            f"{cost['ci95'][1]:.4f})"
         )
     if profiles is not None:
         from _step_profile import print_profile

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness_overhead  # noqa: E402
-from core_vs_fsdp2 import paired_ratios  # noqa: E402
+from core_vs_fsdp2 import median_interval, paired_ratios  # noqa: E402
 
 from ._images import assert_drawn_png  # noqa: E402
 
@@ -22,6 +22,13 @@ def test_paired_ratios_take_the_slower_rank_of_each_round():
         {"fsdp_core": [3.0, 1.0], "torch_fsdp2": [1.0, 8.0]},
     ]
     assert paired_ratios(times, "fsdp_core", "torch_fsdp2") == [1.5, 0.5]
+
+
+def test_the_median_interval_is_the_order_statistics_around_the_middle():
+    # n = 101: 50.5 -+ 0.98 * sqrt(101) = 40.65 .. 60.35, so the 41st and 62nd values.
+    values = [float(v) for v in range(1, 102)]
+    assert median_interval(list(reversed(values))) == (41.0, 62.0)
+    assert median_interval([2.0]) == (2.0, 2.0)
 
 
 def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
