@@ -77,8 +77,9 @@ def adopt(unit: FSDPUnit) -> None:
     if unit.is_unsharded:
         return  # the module shows the unit's unsharded parameters (an explicit unshard)
     current = [p.current() for p in unit.params]
-    old = unit.flat_shard.untyped_storage().data_ptr()
-    if all(local_tensor(c).untyped_storage().data_ptr() == old for c in current):
+    # The storages themselves (``_cdata``), not their data pointers: fake tensors have none.
+    old = unit.flat_shard.untyped_storage()._cdata
+    if all(local_tensor(c).untyped_storage()._cdata == old for c in current):
         return
     devices = {c.device for c in current}
     if len(devices) > 1 and torch.device("meta") in devices:
