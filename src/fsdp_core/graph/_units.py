@@ -182,6 +182,14 @@ def find_units(api: str, model: nn.Module) -> list[GraphUnit]:
         params = owned[unit_name]
         if not params:
             continue
+        dtypes = sorted({str(p.param.dtype).removeprefix("torch.") for p in params})
+        if len(dtypes) > 1:  # frozen ones of other dtypes: see ``fsdp_core/_flat.py``
+            raise NotImplementedError(
+                f"{api} gathers one dtype per unit, but unit {unit_name or '<root>'!r} holds "
+                f"parameters of several dtypes {dtypes} (eager mode all-gathers them as "
+                "bytes). Give the modules of the frozen ones their own fully_shard call, or "
+                "run the model in eager mode."
+            )
         view = views.get(unit_name)
         group = view.shard_group if view is not None else None  # the door's own group object
         if group is None:

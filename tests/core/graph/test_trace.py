@@ -260,6 +260,15 @@ def test_clear_errors_for_what_cannot_be_traced(rank, process_group) -> None:
         NotImplementedError, match=r"hybrid sharding or replicate.*'0 \(replicate\)'"
     ):
         trace_train_step(replicated, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
+    two_dtypes = nn.Sequential(nn.Linear(4, 4))
+    two_dtypes[0].register_parameter(
+        "table", nn.Parameter(torch.ones(4, dtype=torch.float16), requires_grad=False)
+    )
+    fully_shard(two_dtypes, mesh=mesh)
+    with pytest.raises(
+        NotImplementedError, match=r"unit '<root>' holds parameters of several dtypes \['float16'"
+    ):
+        trace_train_step(two_dtypes, lambda m, x: m(x).sum(), (torch.randn(2, 4),))
 
 
 @pytest.mark.distributed(world_size=4)
