@@ -36,7 +36,7 @@ import torch
 
 from . import _collectives
 from ._flat import FlatLayout
-from ._param import local_tensor
+from ._param import _contiguous_stride, local_tensor
 
 if TYPE_CHECKING:
     from ._param import ShardedParam
@@ -48,9 +48,9 @@ __all__ = ["GatherExtensions"]
 def _extension(p: ShardedParam) -> torch.Tensor | None:
     """The sharded parameter's local tensor if it has both extension methods."""
     local = local_tensor(p.sharded)
-    pre = getattr(local, "fsdp_pre_all_gather", None)
-    post = getattr(local, "fsdp_post_all_gather", None)
-    return local if callable(pre) and callable(post) else None
+    if not callable(getattr(local, "fsdp_pre_all_gather", None)):  # every unshard: one lookup
+        return None
+    return local if callable(getattr(local, "fsdp_post_all_gather", None)) else None
 
 
 class _State:
@@ -129,7 +129,7 @@ class GatherExtensions:
         if len(inspect.signature(pre).parameters) == 1:
             inputs, metadata = pre(self._shard_mesh(unit))
         else:
-            stride = torch.empty(p.global_shape, device="meta").stride()
+            stride = _contiguous_stride(p.global_shape)
             inputs, metadata = pre(
                 self._shard_mesh(unit), p.global_shape, stride, unit.module, unit.mp_policy
             )

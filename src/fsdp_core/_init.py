@@ -17,7 +17,7 @@ enclosing unit, the lowest common ancestor of its users (see [Note: shared param
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -119,7 +119,7 @@ def _sorted_types(values: list[Any]) -> list[type]:
     return sorted({type(v) for v in values}, key=repr)
 
 
-def trained_dtype(specs: list[ParamSpec]) -> torch.dtype:
+def trained_dtype(specs: Sequence[ParamSpec]) -> torch.dtype:
     """A unit's dtype: that of its parameters that train (or, all frozen, of the first)."""
     return next((s.param.dtype for s in specs if s.param.requires_grad), specs[0].param.dtype)
 

@@ -246,10 +246,8 @@ class OrderChecker:
         if values and isinstance(values[0], list):  # ``(ranks, 2)``
             values = [digit for pair in values for digit in pair]
         if values == list(digits(code)) * (len(values) // _DIGITS):
-            return
+            return  # every rank sent ``code``; otherwise decode what each one sent
         codes = codes_from_digits(values)
-        if all(c == code for c in codes):
-            return
         by_code: dict[int | None, list[int]] = {}
         for group_rank, c in enumerate(codes):
             by_code.setdefault(c, []).append(dist.get_global_rank(group, group_rank))

@@ -36,6 +36,7 @@ from ._collectives import AllGatherComm, ReduceScatterComm
 from ._extensions import GatherExtensions
 from ._flat import FlatLayout
 from ._groups import UnitGroups
+from ._init import trained_dtype
 from ._order_check import TagOp, UnitTags
 from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape, local_tensor
 from ._post_forward import PostForwardShards
@@ -98,7 +99,7 @@ class FSDPUnit:
         first = specs[0].param
         # Of the sharded parameters that train; frozen ones may have others (the composable
         # doors; see [Note: mixed dtypes in one unit] in ``_flat``).
-        self.dtype = next((s.param.dtype for s in specs if s.param.requires_grad), first.dtype)
+        self.dtype = trained_dtype(specs)
         if any(s.param.device != first.device for s in specs):
             # Each door checks it first, naming itself (``_init.validate_uniform``).
             raise AssertionError(f"[rank {dist.get_rank()}] a unit needs one device")

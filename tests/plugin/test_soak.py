@@ -4,17 +4,11 @@ files, bounded rank memory, and nothing running."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+from ._scripts import load_script
 
 
 def test_short_soak_holds_steady() -> None:
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    soak = load_script("soak")
     figures = soak.soak(30, max_rss_growth_mib=64.0)
     kinds = figures["kinds"]
     failing = kinds["fail"] + kinds["crash"] + kinds["hang"]

@@ -5,17 +5,11 @@ next test run, and no rank thread left behind."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "thread_stress.py"
+from ._scripts import load_script
 
 
 def test_short_thread_stress_ends_every_world() -> None:
-    spec = importlib.util.spec_from_file_location("thread_stress", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    stress = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stress)
+    stress = load_script("thread_stress")
     figures = stress.stress(rounds=1, world_size=16)
     assert figures["reported"] == figures["tests"] == 5, figures
     assert figures["wrong"] == [] and figures["slow"] == [], figures
