@@ -19,26 +19,36 @@ Two phases, both in this run:
   rank's), then the median of those paired ratios.
 
 Wrapping is the same for the three sharded engines: every block is a unit and the root owns the
-rest; FULL_SHARD with backward prefetch of one unit; the root keeps its parameters from forward
-to backward (both ``fully_shard``s: ``reshard_after_forward=False`` on the root, which is what
-the wrapper and FSDP1 do for the root).
+rest; FULL_SHARD with prefetch of one unit in both directions: backward (``BACKWARD_PRE``, FSDP2's
+default) and forward (the wrapper's ``forward_prefetch=True``; on both ``fully_shard``s the root
+and each block name the next block with ``set_modules_to_forward_prefetch``, which FSDP2 does
+implicitly on CUDA only); the root keeps its parameters from forward to backward (both
+``fully_shard``s: ``reshard_after_forward=False`` on the root, which is what the wrapper and
+FSDP1 do for the root). ``--no-forward-prefetch`` drops the forward prefetch for all three.
 
 ``--order-check-cost`` adds a fourth model to the interleaved phase: fsdp_core with its order
 tags switched off (``fsdp_core.debug.set_order_check``, a debugging option), and reports
 fsdp_core's paired ratio to it, i.e. what the in-payload order check (see [Note: order check] in
 ``fsdp_core/_order_check.py``) costs per step.
 
+``--overlap-cost`` adds fsdp_core with its overlap on the CPU switched off
+(``fsdp_core.debug.set_cpu_overlap``; see [Note: overlap on the CPU] in
+``fsdp_core/_overlap.py``) to the interleaved phase, and reports fsdp_core's paired ratio to it:
+what overlapping the collectives with compute gains per step.
+
 ``--profile`` adds a third phase: every engine (and fsdp_core with its tags off) profiled with
 torch's profiler for ``--steps`` steps, the step's time split into compute, copy, collectives,
 optimizer and other (Python and the profiler); see ``_step_profile.py``.
 
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
-       [--rounds 20] [--order-check-cost] [--profile]
+       [--rounds 20] [--no-forward-prefetch] [--order-check-cost] [--overlap-cost]
+       [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -53,6 +63,8 @@ CORE_FULLY_SHARD = "fsdp_core_fully_shard"
 ENGINES = ("fsdp_core", CORE_FULLY_SHARD, "torch_fsdp2", "ddp")
 # fsdp_core with its order tags off, next to fsdp_core in the interleaved phase only.
 CORE_UNTAGGED = "fsdp_core_untagged"
+# fsdp_core with its collectives waited on where issued (no overlap on the CPU), likewise.
+CORE_NO_OVERLAP = "fsdp_core_no_overlap"
 
 
 def _build(width: int, blocks: int) -> Any:
@@ -92,13 +104,16 @@ def _build(width: int, blocks: int) -> Any:
     return Model(), Block
 
 
-def _wrap(engine: str, model: Any, block_class: type) -> Any:
+def _wrap(engine: str, model: Any, block_class: type, forward_prefetch: bool = False) -> Any:
+    """``model`` wrapped for ``engine``; with ``forward_prefetch`` every sharded engine gathers
+    the next unit in forward order when a unit's forward starts (the wrapper's
+    ``forward_prefetch=True``, FSDP2's ``set_modules_to_forward_prefetch``)."""
     import torch.distributed as dist
 
-    if engine in ("fsdp_core", CORE_UNTAGGED):
+    if engine in ("fsdp_core", CORE_UNTAGGED, CORE_NO_OVERLAP):
         from fsdp_core import BackwardPrefetch, ShardingStrategy
         from fsdp_core import FullyShardedDataParallel as FSDP
-        from fsdp_core.debug import set_order_check
+        from fsdp_core.debug import set_cpu_overlap, set_order_check
         from fsdp_core.wrap import ModuleWrapPolicy
 
         wrapped = FSDP(
@@ -106,8 +121,10 @@ def _wrap(engine: str, model: Any, block_class: type) -> Any:
             auto_wrap_policy=ModuleWrapPolicy({block_class}),
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            forward_prefetch=forward_prefetch,
         )
-        set_order_check(wrapped, enabled=engine == "fsdp_core")
+        set_order_check(wrapped, enabled=engine != CORE_UNTAGGED)
+        set_cpu_overlap(wrapped, enabled=engine != CORE_NO_OVERLAP)
         return wrapped
     if engine == CORE_FULLY_SHARD:
         from fsdp_core import fully_shard as core_fully_shard
@@ -115,7 +132,7 @@ def _wrap(engine: str, model: Any, block_class: type) -> Any:
         for block in model.blocks:  # the default mesh: the world
             core_fully_shard(block, reshard_after_forward=True)
         core_fully_shard(model, reshard_after_forward=False)
-        return model
+        return _prefetch_forward(model) if forward_prefetch else model
     if engine == "torch_fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -124,13 +141,30 @@ def _wrap(engine: str, model: Any, block_class: type) -> Any:
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        return model
+        return _prefetch_forward(model) if forward_prefetch else model
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
 
 
-def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_dir: str) -> None:
+def _prefetch_forward(model: Any) -> Any:
+    """A ``fully_shard``-ed model whose root and blocks each prefetch the next block in forward,
+    as the wrapper's ``forward_prefetch`` does."""
+    modules = [model, *model.blocks]
+    for module, following in itertools.pairwise(modules):
+        module.set_modules_to_forward_prefetch([following])
+    return model
+
+
+def run_rank(
+    engine: str,
+    width: int,
+    blocks: int,
+    steps: int,
+    warmup: int,
+    out_dir: str,
+    forward_prefetch: bool = False,
+) -> None:
     """One engine on one rank; writes ``{engine}-rank{N}.json`` into ``out_dir``."""
     import torch
     import torch.distributed as dist
@@ -149,7 +183,7 @@ def run_rank(engine: str, width: int, blocks: int, steps: int, warmup: int, out_
     reset_peak_rss()
     rss_start = current_rss_bytes()
     model, block_class = _build(width, blocks)
-    model = _wrap(engine, model, block_class)
+    model = _wrap(engine, model, block_class, forward_prefetch)
     optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     batch = torch.randn(4, 64, width, generator=torch.Generator().manual_seed(rank))
     log = CollectiveLog()
@@ -198,13 +232,16 @@ def run_rank_interleaved(
     warmup: int,
     out_dir: str,
     order_check_cost: bool = False,
+    overlap_cost: bool = False,
+    forward_prefetch: bool = False,
 ) -> None:
     """Every engine's model in this rank, stepped in turn; writes ``interleaved-rank{N}.json``.
 
     Each engine gets its own copy of the same initial model and its own optimizer. Warm-up
     steps run every engine ``warmup`` times first; then each round steps every engine once,
     starting with a different engine each round. With ``order_check_cost`` fsdp_core with its
-    order tags off (:data:`CORE_UNTAGGED`) is one more engine.
+    order tags off (:data:`CORE_UNTAGGED`) is one more engine, with ``overlap_cost`` fsdp_core
+    without overlap (:data:`CORE_NO_OVERLAP`).
     """
     import torch
     import torch.distributed as dist
@@ -212,12 +249,13 @@ def run_rank_interleaved(
     torch.set_num_threads(1)
     rank = dist.get_rank()
     engines: tuple[str, ...] = ENGINES
-    if order_check_cost:  # next to fsdp_core, so that most rounds step the two back to back
-        engines = (ENGINES[0], CORE_UNTAGGED, *ENGINES[1:])
+    # Next to fsdp_core, so that most rounds step them back to back.
+    variants = (CORE_UNTAGGED,) * order_check_cost + (CORE_NO_OVERLAP,) * overlap_cost
+    engines = (ENGINES[0], *variants, *ENGINES[1:])
     steppers = {}
     for engine in engines:
         model, block_class = _build(width, blocks)
-        model = _wrap(engine, model, block_class)
+        model = _wrap(engine, model, block_class, forward_prefetch)
         optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         steppers[engine] = (model, optim)
     batch = torch.randn(4, 64, width, generator=torch.Generator().manual_seed(rank))
@@ -242,7 +280,9 @@ def run_rank_interleaved(
         json.dump({"rank": rank, "times": times}, f)
 
 
-def run_rank_profile(width: int, blocks: int, steps: int, warmup: int, out_dir: str) -> None:
+def run_rank_profile(
+    width: int, blocks: int, steps: int, warmup: int, out_dir: str, forward_prefetch: bool = False
+) -> None:
     """Every engine (fsdp_core with its order tags off too) profiled for ``steps`` steps after
     ``warmup``, one after another; writes ``profile-rank{N}.json``. See ``_step_profile.py``."""
     import torch
@@ -254,7 +294,7 @@ def run_rank_profile(width: int, blocks: int, steps: int, warmup: int, out_dir: 
     profiles = {}
     for engine in (ENGINES[0], CORE_UNTAGGED, *ENGINES[1:]):
         model, block_class = _build(width, blocks)
-        model = _wrap(engine, model, block_class)
+        model = _wrap(engine, model, block_class, forward_prefetch)
         optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
         def step(model: Any = model, optim: Any = optim) -> None:
@@ -299,10 +339,12 @@ def median_interval(ratios: list[float]) -> tuple[float, float]:
     return ordered[low], ordered[high]
 
 
-def order_check_cost(interleaved: list[dict[str, list[float]]]) -> dict[str, Any]:
-    """fsdp_core's paired ratio to itself with the order tags off: median, quartiles, a 95%
-    interval of the median, ratios."""
-    ratios = sorted(paired_ratios(interleaved, "fsdp_core", CORE_UNTAGGED))
+def variant_ratio(
+    interleaved: list[dict[str, list[float]]], variant: str = CORE_UNTAGGED
+) -> dict[str, Any]:
+    """fsdp_core's paired ratio to ``variant`` of itself (the order tags off, or the overlap):
+    median, quartiles, a 95% interval of the median, ratios."""
+    ratios = sorted(paired_ratios(interleaved, "fsdp_core", variant))
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     low, high = median_interval(ratios)
     return {"median": median, "q1": q1, "q3": q3, "ci95": [low, high], "ratios": ratios}
@@ -338,7 +380,8 @@ def _print_report(
         console,
         f"\nmodel: {args.blocks} blocks of width {args.width}, {params / 1e6:.2f} M parameters "
         f"({_mib(params * 4)} MiB fp32); batch 4 x 64 tokens per rank; world size 2 (gloo, "
-        f"1 thread per rank)\n",
+        f"1 thread per rank); sharded engines prefetch one unit in backward"
+        f"{' and forward' if args.forward_prefetch else ' only'}\n",
     )
     rows = []
     differs = []
@@ -470,6 +513,19 @@ def main() -> None:
         "the paired ratio: the cost of the in-payload order check",
     )
     parser.add_argument(
+        "--no-forward-prefetch",
+        dest="forward_prefetch",
+        action="store_false",
+        help="no sharded engine prefetches in forward (each unit is gathered by its own "
+        "forward; the configuration of the measurements before November 26, 2026)",
+    )
+    parser.add_argument(
+        "--overlap-cost",
+        action="store_true",
+        help="also step fsdp_core without overlap on the CPU in the interleaved phase and "
+        "report the paired ratio: what overlapping collectives with compute gains",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also profile --steps steps of every engine and print where a step's time goes "
@@ -491,12 +547,22 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     out_dir = tempfile.mkdtemp(prefix="fsdp-bench-")
     try:
-        common = dict(width=args.width, blocks=args.blocks, warmup=args.warmup, out_dir=out_dir)
+        common = dict(
+            width=args.width,
+            blocks=args.blocks,
+            warmup=args.warmup,
+            out_dir=out_dir,
+            forward_prefetch=args.forward_prefetch,
+        )
         for engine in ENGINES:
             print(f"running {engine} (isolated) ...", flush=True)
             _launch("run_rank", engine, dict(engine=engine, steps=args.steps, **common))
         print("running every engine interleaved ...", flush=True)
-        interleaved_kwargs = dict(rounds=args.rounds, order_check_cost=args.order_check_cost)
+        interleaved_kwargs = dict(
+            rounds=args.rounds,
+            order_check_cost=args.order_check_cost,
+            overlap_cost=args.overlap_cost,
+        )
         _launch("run_rank_interleaved", "interleaved", dict(**interleaved_kwargs, **common))
         results = {
             engine: [_load(out_dir, f"{engine}-rank{r}.json") for r in (0, 1)] for engine in ENGINES
@@ -514,10 +580,16 @@ def main() -> None:
 
         shutdown()
     summary = _print_report(args, results, interleaved)
-    if args.order_check_cost:
-        cost = summary[CORE_UNTAGGED] = order_check_cost(interleaved)
+    variants = [
+        (CORE_UNTAGGED, args.order_check_cost, "order check", "the tags off"),
+        (CORE_NO_OVERLAP, args.overlap_cost, "overlap", "no overlap on the CPU"),
+    ]
+    for variant, asked, label, other in variants:
+        if not asked:
+            continue
+        cost = summary[variant] = variant_ratio(interleaved, variant)
         print(
-            f"order check: fsdp_core / fsdp_core with the tags off = {cost['median']:.4f} (median "
+            f"{label}: fsdp_core / fsdp_core with {other} = {cost['median']:.4f} (median "
             f"of {len(cost['ratios'])} paired rounds; quartiles {cost['q1']:.4f} to "
             f"{cost['q3']:.4f}; 95% interval of the median {cost['ci95'][0]:.4f} to "
             f"{cost['ci95'][1]:.4f})"

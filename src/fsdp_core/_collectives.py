@@ -175,16 +175,23 @@ def all_gather_flat(
     *,
     unit: str = "",
     comm: AllGatherComm | None = None,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> Any:
     """All-gather equal 1D ``shard``s into ``output`` (1D, ``group size * shard.numel()``),
-    with ``comm`` if given (see [Note: custom collectives])."""
+    with ``comm`` if given (see [Note: custom collectives]).
+
+    With ``async_op`` returns the ``Work`` to wait on (``None``: already complete; see
+    [Note: overlap on the CPU] in ``_overlap``), else waits and returns ``None``.
+    """
     if events.has_subscribers():
         _publish(_ALL_GATHER, output.numel() * output.element_size(), (output, shard), group, unit)
     if comm is None:
+        if async_op:
+            return getattr(dist, _ALL_GATHER)(output, shard, group=group, async_op=True)
         getattr(dist, _ALL_GATHER)(output, shard, group=group)
     else:
         _wait(comm(output, shard, group, async_op=False))
-    return output
+    return None
 
 
 def reduce_scatter_flat(
@@ -194,19 +201,25 @@ def reduce_scatter_flat(
     *,
     unit: str = "",
     comm: ReduceScatterComm | None = None,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> Any:
     """Sum-reduce-scatter 1D ``full`` (``group size * output.numel()``) into ``output``, with
-    ``comm`` if given (see [Note: custom collectives]).
+    ``comm`` if given (see [Note: custom collectives]); ``async_op`` as for
+    :func:`all_gather_flat`.
 
     The caller pre-divides for an average. See [Note: gradient averaging].
     """
     if events.has_subscribers():
         _publish(_REDUCE_SCATTER, full.numel() * full.element_size(), (output, full), group, unit)
     if comm is None:
+        if async_op:
+            return getattr(dist, _REDUCE_SCATTER)(
+                output, full, op=dist.ReduceOp.SUM, group=group, async_op=True
+            )
         getattr(dist, _REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group)
     else:
         _wait(comm(output, full, group, dist.ReduceOp.SUM, async_op=False))
-    return output
+    return None
 
 
 def _wait(work: Any) -> None:

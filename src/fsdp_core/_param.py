@@ -461,13 +461,12 @@ class ShardedParam:
             self.unsharded.requires_grad_(self.sharded.requires_grad)
 
     # ------------------------------------------------------------------ transitions
-    def to_unsharded(self) -> None:
-        """SHARDED -> UNSHARDED: allocate the unsharded storage and show it to the module.
-
-        The storage is filled by :meth:`copy_from_gathered` (on CUDA, after this returns).
-        """
+    def to_unsharded(self, *, alloc: bool = True) -> None:
+        """SHARDED -> UNSHARDED: allocate the unsharded storage (unless not ``alloc``: then the
+        copy-out does) and show it to the module. :meth:`copy_from_gathered` fills it."""
         self._assert_state(ShardedState.SHARDED)
-        self.alloc_unsharded()
+        if alloc:
+            self.alloc_unsharded()
         self.sync_requires_grad()
         for module, name in self.slots:
             module._parameters[name] = self.unsharded

@@ -19,7 +19,13 @@ from ._collectives import ReduceScatterComm
 from ._groups import UnitGroups
 from ._order_check import TagOp, UnitTags
 
-__all__ = ["AllReduceHook", "input_tag_slots", "reduce_gradients"]
+__all__ = [
+    "AllReduceHook",
+    "ReduceScatter",
+    "input_tag_slots",
+    "reduce_gradients",
+    "start_reduce_scatter",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,60 @@ def input_tag_slots(groups: UnitGroups) -> int:
     return scatter if groups.shard_size > 1 else replicas
 
 
+@dataclass
+class ReduceScatter:
+    """A unit's reduce-scatter, issued, and the order-tag check that follows it."""
+
+    work: Any  # ``dist.Work``, or None once complete
+    reduced: torch.Tensor  # 1D: the shard, then room for tags
+    numel: int
+    row: int  # elements per row of the input: the shard and its tags
+    tags: UnitTags | None
+    code: int
+    group: Any
+
+    def finish(self) -> torch.Tensor:
+        """Wait, check the tags, return the reduced shard with room for the all-reduce's tags
+        after it (1D)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.tags is not None:
+            self.tags.check(self.code, self.reduced[self.numel : self.row], self.group)
+        return self.reduced
+
+
+def start_reduce_scatter(
+    reduce_input: torch.Tensor,
+    numel: int,
+    groups: UnitGroups,
+    tags: UnitTags | None,
+    *,
+    unit: str,
+    comm: ReduceScatterComm | None = None,
+    async_op: bool = False,
+) -> ReduceScatter:
+    """Issue the reduce-scatter inside ``groups.shard`` (more than one rank) of the pre-divided
+    input, with its order tags if ``tags``; ``async_op`` as for
+    ``_collectives.reduce_scatter_flat`` (see [Note: overlap on the CPU] in ``_overlap``)."""
+    group = groups.shard
+    if group is None:
+        raise AssertionError(f"{unit}: a reduce-scatter needs a shard group")
+    code = tags.code(TagOp.REDUCE) if tags is not None else 0
+    scatter, replicas = _tag_slots(groups) if tags is not None else (0, 0)
+    if tags is not None:
+        _order_check.write_reduce_tag(reduce_input, code, groups.shard_rank, groups.shard_size)
+    row = reduce_input.shape[1]
+    # Room for the all-reduce's tags after the shard, which replace the scatter's.
+    reduced = _collectives.new_buffer(
+        comm, numel + max(scatter, replicas), reduce_input.dtype, reduce_input.device
+    )
+    work = _collectives.reduce_scatter_flat(
+        reduced[:row], reduce_input.view(-1), group, unit=unit, comm=comm, async_op=async_op
+    )
+    return ReduceScatter(work, reduced, numel, row, tags, code, group)
+
+
 def reduce_gradients(
     reduce_input: torch.Tensor,
     numel: int,
@@ -86,21 +146,11 @@ def reduce_gradients(
     if groups.world == 1:
         return reduce_input.view(-1)[:numel]
     code = tags.code(TagOp.REDUCE) if tags is not None else 0
-    scatter, replicas = _tag_slots(groups) if tags is not None else (0, 0)
-    shard, replicate = groups.shard, groups.replicate
-    if shard is not None and groups.shard_size > 1:
-        if tags is not None:
-            _order_check.write_reduce_tag(reduce_input, code, groups.shard_rank, groups.shard_size)
-        row = reduce_input.shape[1]
-        # Room for the all-reduce's tags after the shard, which replace the scatter's.
-        reduced = _collectives.new_buffer(
-            comm, numel + max(scatter, replicas), reduce_input.dtype, reduce_input.device
-        )
-        _collectives.reduce_scatter_flat(
-            reduced[:row], reduce_input.view(-1), shard, unit=unit, comm=comm
-        )
-        if tags is not None:
-            tags.check(code, reduced[numel:row], shard)
+    replicas = _tag_slots(groups)[1] if tags is not None else 0
+    replicate = groups.replicate
+    if groups.shard is not None and groups.shard_size > 1:
+        scatter = start_reduce_scatter(reduce_input, numel, groups, tags, unit=unit, comm=comm)
+        reduced = scatter.finish()
     else:
         reduced = reduce_input.view(-1)
     if partial is not None:

@@ -34,6 +34,7 @@ from . import events
 from ._config import RuntimeConfig
 from ._exec_order import ExecOrder
 from ._offload import validate_offloaded_devices
+from ._overlap import CpuOverlap
 from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
 from ._replaced import adopt_at_lazy_init, refuse_unowned_shared
@@ -128,6 +129,8 @@ class FSDPState:
         self.state_dict_settings = default_state_dict_settings()  # see _state_dict/settings.py
         self.in_state_dict = False  # an enclosing instance is building a full state dict
         self.streams: CudaStreams | None = None  # root only, on CUDA
+        self.cpu_overlap = CpuOverlap()  # the root's is used, on the CPU
+        self.overlaps_on_cpu = True  # see ``set_cpu_overlap``
         self.fqn = ""
         self.is_root: bool | None = None  # decided at the first forward
         self.root: FSDPState | None = None
@@ -207,20 +210,21 @@ class FSDPState:
             if buffer_dtype is not None:
                 for slot in state.buffers:
                     slot.cast(buffer_dtype)
-        devices = {s.unit.device for s in states if s.unit is not None}
-        cuda = [d for d in devices if uses_streams(d)]
+        units = [s.unit for s in states if s.unit is not None]
+        pending = max((u.reduce_scatter_max_input_buffers for u in units), default=1)
+        cuda = [u.device for u in units if uses_streams(u.device)]
         if cuda:
             # See [Note: streams and events]; one set per root, shared by its units.
             shared = self.share_streams_with
             shared_streams = shared.streams if shared is not None else None
             self.streams = shared_streams or CudaStreams(cuda[0])
+            self.streams.max_pending_reduces = max(self.streams.max_pending_reduces, pending)
+            for unit in units:
+                unit.streams = self.streams
+        else:  # see [Note: overlap on the CPU] in _overlap
+            self.cpu_overlap.max_pending_reduces = pending
             for state in states:
-                if state.unit is not None:
-                    state.unit.streams = self.streams
-                    self.streams.max_pending_reduces = max(
-                        self.streams.max_pending_reduces,
-                        state.unit.reduce_scatter_max_input_buffers,
-                    )
+                state.set_cpu_overlap(state.overlaps_on_cpu)
 
     def set_order_tags(self, enabled: bool) -> None:
         """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""
@@ -228,6 +232,12 @@ class FSDPState:
         unit, order = self.unit, self.exec_order
         if unit is not None and order is not None:  # else lazy init reads ``tag_collectives``
             unit.order_tags = order.checker.for_unit(order.index(self)) if enabled else None
+
+    def set_cpu_overlap(self, enabled: bool) -> None:
+        """Overlap on the CPU (the default) or not; see ``fsdp_core.debug``."""
+        self.overlaps_on_cpu = enabled
+        if self.unit is not None and self.root is not None:  # else lazy init reads the flag
+            self.unit.cpu_overlap = self.root.cpu_overlap if enabled else None
 
     # ------------------------------------------------------------------ forward
     def pre_forward(
@@ -411,6 +421,7 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             state._ran_pre_backward = False
             state._expects_backward = False
+        self.cpu_overlap.flush()  # the reductions still in flight
         if self.streams is not None and self.is_last_backward:
             offload = any(s.unit is not None and s.unit.offload_params for s in self.all_states)
             self.streams.end_backward(offload=offload)
@@ -420,11 +431,12 @@ class FSDPState:
     def reset_iteration(self) -> None:
         """Root only: after an exception in forward or backward, reshard every unit and make
         every state idle. The failed step's gradients, also those kept by ``no_sync``, are
-        dropped; gradients already on the sharded parameters stay."""
+        dropped; those reduced already stay (reductions in flight on the CPU finish)."""
         if self.is_root is False:
             raise RuntimeError(
                 f"reset_iter_state must be called on the root FSDP module, not {self.fqn!r}."
             )
+        self.cpu_overlap.flush()  # as if each reduction had waited where it was issued
         for state in self.all_states or [self]:
             unit = state.unit
             if unit is not None:
@@ -450,12 +462,12 @@ class FSDPState:
                 )
 
     # ------------------------------------------------------------------ helpers
-    def _unshard(self, reason: events.UnshardReason) -> None:
+    def _unshard(self, reason: events.UnshardReason, *, async_op: bool = False) -> None:
         unit = self.unit
         if unit is None or unit.is_unsharded:
             return
         self._order().validate(self, "unshard")
-        unit.unshard(reason)
+        unit.unshard(reason, async_op=async_op)
 
     def _prefetch(
         self, target: FSDPState | None, reason: events.UnshardReason, *, explicit: bool = False
@@ -490,7 +502,7 @@ class FSDPState:
             )
             if unsharded >= _MAX_UNSHARDED_FOR_PREFETCH:
                 return
-        target._unshard(reason)
+        target._unshard(reason, async_op=True)  # waited on in the target's pre-hook
 
     def _order(self) -> ExecOrder[FSDPState]:
         if self.exec_order is None:

@@ -38,11 +38,12 @@ from ._flat import FlatLayout
 from ._groups import UnitGroups
 from ._init import trained_dtype
 from ._order_check import TagOp, UnitTags
+from ._overlap import CpuOverlap, PendingGather, overlaps
 from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape, local_tensor
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
-from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients
 from ._streams import CudaStreams
+from ._unit_grads import UnitGrads
 
 __all__ = ["FSDPUnit"]
 
@@ -56,7 +57,7 @@ _GATHER_OPS: dict[events.UnshardReason, TagOp] = {
 }
 
 
-class FSDPUnit:
+class FSDPUnit(UnitGrads):
     """The parameter group of one fully sharded module.
 
     Args:
@@ -123,6 +124,8 @@ class FSDPUnit:
             and self.device.type == "cuda"
         )
         self.streams: CudaStreams | None = None  # set by the root at lazy init on CUDA
+        self.cpu_overlap: CpuOverlap | None = None  # set by the root at lazy init on the CPU
+        self._pending_gather: PendingGather | None = None  # see [Note: overlap on the CPU]
         # Set by the root at lazy init; None: collectives go untagged. See [Note: order check].
         self.order_tags: UnitTags | None = None
         alias = not self._sharded and not offload_params and not self.precision.casts_params
@@ -157,13 +160,8 @@ class FSDPUnit:
             for i, spec in enumerate(specs)
         ]
         self._aliased = alias
-        # The trainable parameters and their offsets in the reduce buffer; see
-        # [Note: requires_grad changes after wrapping].
-        self._grad_params: list[ShardedParam] = []
-        self._grad_offsets: list[int] = []
-        self._grad_numel = 0
-        self._grads_ready: set[ShardedParam] = set()
-        self.update_grad_params()
+        # The trainable parameters, reduction settings and state; see ``_unit_grads``.
+        self._init_grads()
         # All-gather output waiting for its copy-out (CUDA: until ``wait_for_unshard``).
         self._gathered: torch.Tensor | None = None  # 1D, shard_world * flat shard numel
         self._gathered_event: torch.cuda.Event | None = None
@@ -173,19 +171,6 @@ class FSDPUnit:
         # Set by the door for ``reshard_after_forward=N``; see [Note: reshard after forward to
         # a smaller world] in ``_post_forward``.
         self.post_forward: PostForwardShards | None = None
-        # Set by the composable door: gradients kept unreduced accumulate in ``reduce_dtype``
-        # (FSDP2), not in the compute dtype (FSDP1). See [Note: unreduced gradients].
-        self.upcast_unreduced_grads = False
-        # Also the composable door's: a parameter that got no gradient keeps its ``.grad`` (FSDP2
-        # leaves it None), instead of adding the zeros of its rows (FSDP1's flat gradient).
-        self.skip_params_without_grads = False
-        # ``set_requires_all_reduce(False)`` (HSDP): reduce-scatter only, summing the shards in
-        # ``_partial_reduced`` (1D) until a backward that all-reduces; see ``_reduce``.
-        self.all_reduce_grads = True
-        self._partial_reduced: torch.Tensor | None = None
-        self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
-        self.gradient_divide_factor: float | None = None  # ``set_gradient_divide_factor``
-        self.reduce_scatter_max_input_buffers = 1  # ``set_reduce_scatter_max_input_buffers``
         # ``set_custom_all_gather``/``_reduce_scatter``; see [Note: custom collectives].
         self.all_gather_comm: AllGatherComm | None = None
         self.reduce_scatter_comm: ReduceScatterComm | None = None
@@ -193,11 +178,12 @@ class FSDPUnit:
             p.expose_sharded()
 
     # ------------------------------------------------------------------ transitions
-    def unshard(self, reason: events.UnshardReason = "explicit") -> None:
+    def unshard(self, reason: events.UnshardReason = "explicit", *, async_op: bool = False) -> None:
         """Make the module see full parameters; one all-gather unless unsharded.
 
         On CUDA the gather is only issued here; :meth:`wait_for_unshard` finishes it before
-        compute uses the parameters. See [Note: streams and events].
+        compute uses the parameters. See [Note: streams and events]. On the CPU too with
+        ``async_op`` over gloo (prefetches); see [Note: overlap on the CPU] in ``_overlap``.
         """
         if self.is_unsharded:
             return
@@ -206,15 +192,16 @@ class FSDPUnit:
             op = _GATHER_OPS[reason]
             self._reason = reason
             if streams is None:
-                self._gathered = self._gather_for_unshard(op)
-                self._copy_out()
+                self._gathered = self._gather_for_unshard(op, wait=not self._overlaps(async_op))
+                if self._pending_gather is None:
+                    self._copy_out()
             else:
                 streams.before_all_gather()
                 with torch.cuda.stream(streams.all_gather):
                     self._gathered = self._gather_for_unshard(op)
                     self._gathered_event = streams.all_gather.record_event()
-        for p in self.params:
-            p.to_unsharded()
+        for p in self.params:  # a pending all-gather's copy-out allocates
+            p.to_unsharded(alloc=self._pending_gather is None)
         self.is_unsharded = True
         if events.has_subscribers():
             events.publish(
@@ -227,21 +214,37 @@ class FSDPUnit:
             )
 
     def wait_for_unshard(self) -> None:
-        """Finish a pending unshard on the current stream (a no-op on the CPU)."""
+        """Finish a pending unshard on the current stream (on the CPU: a pending all-gather)."""
         streams = self.streams
-        if self._gathered is None or streams is None:
+        if self._gathered is None:
+            return
+        if streams is None:
+            if self._pending_gather is not None:
+                self._pending_gather.finish()
+                self._pending_gather = None
+            self._copy_out()
             return
         if self._gathered_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._gathered_event)
         self._copy_out()
         streams.record_copy_out()
 
-    def _gather_for_unshard(self, op: TagOp) -> torch.Tensor:
+    def _gather_for_unshard(self, op: TagOp, *, wait: bool = True) -> torch.Tensor:
         """The all-gather output to copy out: from the blocks kept after forward, if any."""
         post_forward = self.post_forward
         if post_forward is not None and post_forward.blocks is not None:
             return post_forward.regather(unit=self.name)
-        return self._gather(self.precision.param_dtype, op)
+        return self._gather(self.precision.param_dtype, op, wait=wait)
+
+    def _overlaps(self, async_op: bool) -> bool:
+        """Whether an all-gather may be left pending on the CPU: not when its copy-out issues
+        an all-gather of its own (extensions). See [Note: overlap on the CPU] in ``_overlap``."""
+        if not async_op or self.cpu_overlap is None or self.all_gather_comm is not None:
+            return False
+        extended = self._extensions is not None or (
+            self.layout is not None and bool(GatherExtensions.find(self))
+        )
+        return not extended and self._sharded and overlaps(self.groups.shard)
 
     def drop_post_forward(self) -> None:
         """Forget the blocks kept after forward (their backward did not run)."""
@@ -258,7 +261,11 @@ class FSDPUnit:
             self.drop_post_forward()
         if not self.is_unsharded:
             return
-        # A prefetch that was never waited on: its output was only used on the gather stream.
+        # A prefetch that was never waited on: its output was only used on the gather stream
+        # (CUDA), or is complete once waited on (CPU).
+        if self._pending_gather is not None:
+            self._pending_gather.finish()
+            self._pending_gather = None
         self._gathered = self._gathered_event = None
         for p in self.params:
             p.to_sharded()
@@ -300,7 +307,8 @@ class FSDPUnit:
         got = [g is not None or not self.skip_params_without_grads for g in grads]
         streams = self.streams
         if streams is None:
-            self._store_grads(self._reduce(reduce_input), got)
+            if not self._reduce_later(reduce_input, got):
+                self._store_grads(self._reduce(reduce_input), got)
             return
         side = streams.reduce_scatter
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -310,12 +318,15 @@ class FSDPUnit:
         streams.hold_reduce_input(reduce_input, done)
 
     # ------------------------------------------------------------------ data path
-    def _gather(self, dtype: torch.dtype, op: TagOp | None = None) -> torch.Tensor:
+    def _gather(
+        self, dtype: torch.dtype, op: TagOp | None = None, *, wait: bool = True
+    ) -> torch.Tensor:
         """The flat shard on the compute device in ``dtype``, gathered over the group.
 
         Returns a 1D tensor of ``shard_world`` blocks; for an unsharded unit, the one block.
         With ``op`` and order tags, each block ends with its rank's tag (see [Note: order
-        check]); the parameters' data is at the same offsets either way.
+        check]); the parameters' data is at the same offsets either way. Without ``wait`` the
+        all-gather is left in ``_pending_gather`` (see [Note: overlap on the CPU]).
         """
         tags = None
         mixed = self.flat_layout.mixed  # a byte all-gather carries no tag
@@ -340,13 +351,17 @@ class FSDPUnit:
         gathered = _collectives.new_buffer(
             comm, self.shard_world * send.numel(), dtype, self.device
         )
-        if tags is None or op is None:
-            _collectives.all_gather_flat(gathered, send, group, unit=self.name, comm=comm)
-            return gathered
-        code = tags.code(op)
-        _order_check.write_gather_tag(send, code)
-        _collectives.all_gather_flat(gathered, send, group, unit=self.name, comm=comm)
-        tags.check(code, _order_check.gathered_tags(gathered, self.shard_world, numel), group)
+        code = tags.code(op) if tags is not None and op is not None else 0
+        if tags is not None:
+            _order_check.write_gather_tag(send, code)
+        work = _collectives.all_gather_flat(
+            gathered, send, group, unit=self.name, comm=comm, async_op=not wait
+        )
+        pending = PendingGather(work, gathered, tags, code, group, self.shard_world, numel)
+        if wait:
+            pending.finish()
+        else:
+            self._pending_gather = pending
         return gathered
 
     def _copy_out(self) -> None:
@@ -366,65 +381,6 @@ class FSDPUnit:
             self._extensions = self._extensions or GatherExtensions()
             self._extensions.unshard(self, extended)
         self._gathered = self._gathered_event = None
-
-    def _reduce_tags(self) -> UnitTags | None:
-        """The order tags a reduction carries now, if any. See [Note: order check]."""
-        if self.groups.world == 1 or not _order_check.carries_tags(self.precision.reduce_dtype):
-            return None
-        return self.order_tags
-
-    def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """``(shard_world, grad numel [+ tag])`` in ``reduce_dtype``, zero padded, pre-divided.
-
-        With order tags each row ends with one digit pair per rank of the first reduction
-        (the reduce-scatter, or the all-reduce of an unsharded unit), all zero until
-        :meth:`_reduce` writes this rank's; see [Note: order check].
-        """
-        slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
-        shape = (self.shard_world, self._grad_numel + slots)
-        full = _collectives.new_buffer(
-            self.reduce_scatter_comm, math.prod(shape), self.precision.reduce_dtype, self.device
-        )
-        full = full.view(shape).zero_()
-        for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
-            if grad is not None:
-                full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
-        factor = self.gradient_divide_factor
-        if factor is not None:  # sum / factor instead of the average; out of place, as FSDP2
-            return full / factor if factor != 1 else full
-        if self.groups.world > 1:
-            full.div_(self.groups.world)  # See [Note: gradient averaging].
-        return full
-
-    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor | None:
-        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input, or
-        ``None`` while it waits for its all-reduce; see ``_reduce.reduce_gradients``."""
-        numel = self._grad_numel
-        # The input has tag columns iff ``_reduce_input`` saw order tags.
-        tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
-        all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
-        reduced = reduce_gradients(
-            reduce_input, numel, self.groups, tags, unit=self.name,
-            all_reduce=all_reduce, partial=self._partial_reduced, comm=self.reduce_scatter_comm,
-        )  # fmt: skip
-        self._partial_reduced = None if all_reduce else reduced
-        if all_reduce and self.all_reduce_hook is not None:
-            self.all_reduce_hook.run(reduced, self.device)
-        return reduced if all_reduce else None
-
-    def _store_grads(self, reduced: torch.Tensor | None, got: list[bool]) -> None:
-        """Add ``reduced`` to the ``.grad`` of each parameter in ``grad_params`` whose entry
-        in ``got`` is true."""
-        if reduced is None:
-            return
-        grad = reduced.to(self.precision.grad_dtype)
-        if self.offload_params:
-            grad = _offload.copy_to_host(
-                grad, self.device, self.streams, unit=self.name, pin=self._pin
-            )
-        for p, offset, store in zip(self._grad_params, self._grad_offsets, got, strict=True):
-            if store:
-                p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
 
     # ------------------------------------------------------------------ full parameters
     def gather_full_params(self) -> list[torch.Tensor]:
@@ -472,48 +428,3 @@ class FSDPUnit:
         """Copy this rank's rows of every full tensor in ``tensors`` into the shards."""
         for p, tensor in zip(self.params, tensors, strict=True):
             p.write_local_rows(tensor.detach())
-
-    # ------------------------------------------------------------------ backward bookkeeping
-    @property
-    def grad_params(self) -> list[ShardedParam]:
-        """Parameters that required gradients at the last forward, in registration order."""
-        return self._grad_params
-
-    def update_grad_params(self) -> None:
-        """Follow ``requires_grad`` changes made since the last forward.
-
-        See [Note: requires_grad changes after wrapping] in ``_param``.
-        """
-        for p in self.params:
-            p.sync_requires_grad()
-        trainable = [p for p in self.params if p.requires_grad]
-        if trainable == self._grad_params:
-            return
-        for p in self.params:
-            if not p.requires_grad:
-                p.take_unreduced_grad()  # frozen while holding a no_sync gradient: dropped
-        self._grad_params = trainable
-        self._grad_offsets = []
-        offset = 0
-        for p in trainable:
-            self._grad_offsets.append(offset)
-            offset += p.shard_numel
-        self._grad_numel = offset
-
-    def mark_grad_ready(self, param: ShardedParam) -> bool:
-        """Note that ``param`` got its gradient; True once every one in ``grad_params`` has."""
-        self._grads_ready.add(param)
-        return self._grads_ready.issuperset(self._grad_params)
-
-    def has_pending_grads(self) -> bool:
-        """Whether some gradient of this backward has not been reduced yet."""
-        return any(p.has_unreduced_grad() for p in self._grad_params)
-
-    def drop_unreduced_grads(self) -> None:
-        """Forget every gradient not reduced into the sharded ``.grad``s yet."""
-        for p in self.params:
-            p.take_unreduced_grad()
-        self._partial_reduced = None
-
-    def reset_backward(self) -> None:
-        self._grads_ready.clear()

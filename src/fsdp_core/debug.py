@@ -3,8 +3,9 @@
 - :func:`suspend_hooks`: the doors' forward hooks pass everything through, for a tool that runs
   the model's forward its own way (graph mode's tracer gathers the parameters itself).
 - :func:`set_order_check`: the in-payload order check on or off, to measure what it costs.
+- :func:`set_cpu_overlap`: collectives overlapped with compute on the CPU, or not, likewise.
 
-Neither is needed to train; both act on every FSDP instance of a model, of either door.
+None is needed to train; each acts on every FSDP instance of a model, of either door.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from ._runtime import states_in
 from .api import TrainingState
 
-__all__ = ["set_order_check", "suspend_hooks"]
+__all__ = ["set_cpu_overlap", "set_order_check", "suspend_hooks"]
 
 
 @contextlib.contextmanager
@@ -72,3 +73,30 @@ def set_order_check(module: nn.Module, *, enabled: bool) -> None:
         raise TypeError(f"set_order_check(enabled=...) takes a bool, got {enabled!r}.")
     for state in states_in(module):
         state.set_order_tags(enabled)
+
+
+def set_cpu_overlap(module: nn.Module, *, enabled: bool) -> None:
+    """Overlap the collectives of every FSDP instance in ``module``'s tree with compute on the
+    CPU (the default) or not.
+
+    On the CPU over gloo, prefetched all-gathers and reduce-scatters are issued asynchronously
+    and waited on where their results are needed (see "Overlap on the CPU" in docs/core.md);
+    the collectives and their order stay the same either way. Off, every collective waits
+    where it is issued. For measurement: ``benchmarks/core_vs_fsdp2.py --overlap-cost`` steps
+    a model with it off next to one with it on. Call it between steps.
+
+    Args:
+        module: a model sharded by either door, or a module containing some.
+        enabled: ``True`` overlaps, ``False`` waits at every collective.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_cpu_overlap(enabled=...) takes a bool, got {enabled!r}.")
+    states = states_in(module)
+    busy = [s.fqn or "<root>" for s in states if s.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(
+            f"fsdp_core.debug.set_cpu_overlap: FSDP instances {busy} are inside a forward or "
+            "backward; call it between training steps."
+        )
+    for state in states:
+        state.set_cpu_overlap(enabled)

@@ -45,7 +45,8 @@ def api_of(module: nn.Module) -> str:
 
 class UnshardHandle:
     """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` makes the unsharded
-    parameters usable on the current stream (on the CPU the gather is already complete)."""
+    parameters usable on the current stream (on the CPU over gloo: waits for the all-gather;
+    see [Note: overlap on the CPU] in ``_overlap``)."""
 
     def __init__(self, unit: FSDPUnit | None = None) -> None:
         self._unit = unit
@@ -78,7 +79,7 @@ class FSDPModule:
         if unit is not None and not unit.is_unsharded:
             if state.exec_order is not None:
                 state.exec_order.validate(state, "unshard")
-            unit.unshard("explicit")
+            unit.unshard("explicit", async_op=async_op)
         handle = UnshardHandle(unit)
         if async_op:
             return handle

@@ -1,0 +1,113 @@
+"""Overlap on the CPU: a unit's collectives run on gloo's threads while the rank computes.
+
+[Note: overlap on the CPU]
+On CUDA the all-gathers and reduce-scatters run on side streams (see [Note: streams and events]
+in ``_streams``). On the CPU, gloo runs every collective on the process group's own threads; a
+synchronous call only makes the rank wait for them. Where the engine does not need a result at
+once it issues the collective with ``async_op=True`` and waits where the result is used:
+
+- A prefetched all-gather (backward prefetch, ``forward_prefetch``, the composable door's
+  explicit prefetch targets and ``unshard(async_op=True)``) is issued where it always was and
+  waited on in ``FSDPUnit.wait_for_unshard``, just before the module's compute: there its
+  order tags are checked and its parameters copied out. The unsharded storage is allocated at
+  that copy-out, not at the issue, so while the all-gather runs only its output buffer exists,
+  as without overlap. A prefetch that nothing used is waited on when it is resharded.
+- The reduce-scatter of a unit sharded over its whole world (no replicate group, no custom
+  reduce-scatter) is issued in its post-backward; the rest of the reduction (wait, tag check,
+  the all-reduce hook, the add into each ``.grad``) runs when the next unit's reduction starts
+  (at most ``max_pending_reduces`` in flight, one unless ``set_reduce_scatter_max_input_buffers``
+  says more, as FSDP2 holds one on CUDA) or at the end of backward, in issue order. A unit with
+  a replicate group reduces synchronously: its all-reduce would otherwise move after the next
+  unit's collectives. After a failed step ``reset_iter_state`` finishes the reductions in
+  flight, so the gradients left are those left without overlap.
+
+Every collective is issued at the same point of the step as without overlap, so the order of
+a rank's collectives (what the recorder and the collective patches see, what the order check
+compares) does not change; only where the rank waits does. Only gloo overlaps: thread mode's
+backends complete a collective inside the call and the fake backend moves nothing.
+``fsdp_core.debug.set_cpu_overlap`` turns it off, to measure it (``benchmarks/core_vs_fsdp2.py
+--overlap-cost``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _order_check
+from ._order_check import UnitTags
+from ._reduce import ReduceScatter
+
+__all__ = ["CpuOverlap", "PendingGather", "overlaps"]
+
+
+def overlaps(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s collectives run on threads of their own (gloo), so that issuing them
+    with ``async_op=True`` lets the rank compute meanwhile."""
+    return group is not None and dist.get_backend(group) == "gloo"
+
+
+def _wait(work: Any) -> None:
+    if work is not None:  # a patched collective may return nothing: already complete
+        work.wait()
+
+
+@dataclass
+class PendingGather:
+    """A unit's all-gather and the order-tag check that follows it."""
+
+    work: Any  # ``dist.Work``, or None once complete
+    gathered: torch.Tensor  # 1D, ``world`` blocks of ``block`` elements
+    tags: UnitTags | None
+    code: int
+    group: dist.ProcessGroup
+    world: int
+    numel: int  # data elements per block, before the tag
+
+    def finish(self) -> None:
+        """Wait for the all-gather; then compare the tags it carried."""
+        _wait(self.work)
+        self.work = None
+        if self.tags is not None:
+            received = _order_check.gathered_tags(self.gathered, self.world, self.numel)
+            self.tags.check(self.code, received, self.group)
+
+
+class CpuOverlap:
+    """One root's reduce-scatters in flight on the CPU (shared by its units, as ``CudaStreams``
+    is on CUDA), each with the reduce input the backend reads and what runs once it is
+    complete."""
+
+    def __init__(self) -> None:
+        self.max_pending_reduces = 1
+        self._reduces: deque[tuple[ReduceScatter, torch.Tensor, Callable[[torch.Tensor], None]]]
+        self._reduces = deque()
+
+    def make_room(self) -> None:
+        """Finish the oldest reductions until one more may be issued."""
+        while len(self._reduces) >= self.max_pending_reduces:
+            self._finish_oldest()
+
+    def defer(
+        self,
+        scatter: ReduceScatter,
+        reduce_input: torch.Tensor,
+        then: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Keep ``reduce_input`` until ``scatter`` completes; then pass ``then`` the reduced
+        shard (1D, ``scatter.numel``)."""
+        self._reduces.append((scatter, reduce_input, then))
+
+    def flush(self) -> None:
+        """Finish every reduction in flight, oldest first (the end of backward)."""
+        while self._reduces:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        scatter, _, then = self._reduces.popleft()
+        then(scatter.finish()[: scatter.numel])

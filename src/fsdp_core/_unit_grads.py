@@ -1,0 +1,194 @@
+"""The gradient side of a unit: which parameters train, and their reduction in backward.
+
+``FSDPUnit`` (``_unit``) mixes this in; its ``post_backward`` takes the unreduced gradients
+and hands them here: :meth:`UnitGrads._reduce_input` lays them out as the reduce-scatter's
+rows in ``reduce_dtype``, pre-divided; ``_reduce`` runs the unit's reduction collectives (see
+``_reduce``), or ``_reduce_later`` issues the reduce-scatter and leaves the rest to the root's
+``CpuOverlap`` (see [Note: overlap on the CPU] in ``_overlap``); ``_store_grads`` adds the
+reduced shard to each sharded ``.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _collectives, _offload, _order_check
+from ._collectives import ReduceScatterComm
+from ._groups import UnitGroups
+from ._order_check import UnitTags
+from ._overlap import CpuOverlap, overlaps
+from ._param import ShardedParam
+from ._precision import UnitPrecision
+from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients, start_reduce_scatter
+from ._streams import CudaStreams
+
+__all__ = ["UnitGrads"]
+
+
+class UnitGrads:
+    """The gradient state and reduction of ``FSDPUnit``, which sets the attributes below."""
+
+    name: str
+    groups: UnitGroups
+    params: list[ShardedParam]
+    shard_world: int
+    precision: UnitPrecision
+    device: torch.device
+    offload_params: bool
+    streams: CudaStreams | None
+    cpu_overlap: CpuOverlap | None
+    order_tags: UnitTags | None
+    reduce_scatter_comm: ReduceScatterComm | None
+    _sharded: bool
+    _pin: bool
+
+    def _init_grads(self) -> None:
+        """The gradient side's state; called by ``FSDPUnit.__init__`` once ``params`` exist."""
+        # The trainable parameters and their offsets in the reduce buffer; see
+        # [Note: requires_grad changes after wrapping].
+        self._grad_params: list[ShardedParam] = []
+        self._grad_offsets: list[int] = []
+        self._grad_numel = 0
+        self._grads_ready: set[ShardedParam] = set()
+        self.update_grad_params()
+        # Set by the composable door: gradients kept unreduced accumulate in ``reduce_dtype``
+        # (FSDP2), not in the compute dtype (FSDP1). See [Note: unreduced gradients].
+        self.upcast_unreduced_grads = False
+        # Also the composable door's: a parameter that got no gradient keeps its ``.grad`` (FSDP2
+        # leaves it None), instead of adding the zeros of its rows (FSDP1's flat gradient).
+        self.skip_params_without_grads = False
+        # ``set_requires_all_reduce(False)`` (HSDP): reduce-scatter only, summing the shards in
+        # ``_partial_reduced`` (1D) until a backward that all-reduces; see ``_reduce``.
+        self.all_reduce_grads = True
+        self._partial_reduced: torch.Tensor | None = None
+        self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
+        self.gradient_divide_factor: float | None = None  # ``set_gradient_divide_factor``
+        self.reduce_scatter_max_input_buffers = 1  # ``set_reduce_scatter_max_input_buffers``
+
+    def _reduce_tags(self) -> UnitTags | None:
+        """The order tags a reduction carries now, if any. See [Note: order check]."""
+        if self.groups.world == 1 or not _order_check.carries_tags(self.precision.reduce_dtype):
+            return None
+        return self.order_tags
+
+    def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """``(shard_world, grad numel [+ tag])`` in ``reduce_dtype``, zero padded, pre-divided.
+
+        With order tags each row ends with one digit pair per rank of the first reduction
+        (the reduce-scatter, or the all-reduce of an unsharded unit), all zero until
+        :meth:`_reduce` writes this rank's; see [Note: order check].
+        """
+        slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
+        shape = (self.shard_world, self._grad_numel + slots)
+        full = _collectives.new_buffer(
+            self.reduce_scatter_comm, math.prod(shape), self.precision.reduce_dtype, self.device
+        )
+        full = full.view(shape).zero_()
+        for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
+            if grad is not None:
+                full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
+        factor = self.gradient_divide_factor
+        if factor is not None:  # sum / factor instead of the average; out of place, as FSDP2
+            return full / factor if factor != 1 else full
+        if self.groups.world > 1:
+            full.div_(self.groups.world)  # See [Note: gradient averaging].
+        return full
+
+    def _reduce_later(self, reduce_input: torch.Tensor, got: list[bool]) -> bool:
+        """Issue the reduce-scatter and leave the rest to ``cpu_overlap``, where the reduction
+        is that one collective over gloo; else False. See [Note: overlap on the CPU]."""
+        overlap, groups = self.cpu_overlap, self.groups
+        if overlap is None or not self._sharded or groups.replicate_size > 1:
+            return False
+        if self.reduce_scatter_comm is not None or not overlaps(groups.shard):
+            return False
+        numel = self._grad_numel
+        tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
+        overlap.make_room()
+        scatter = start_reduce_scatter(
+            reduce_input, numel, groups, tags, unit=self.name, async_op=True
+        )
+        overlap.defer(scatter, reduce_input, lambda reduced: self._reduced(reduced, got))
+        return True
+
+    def _reduced(self, reduced: torch.Tensor, got: list[bool]) -> None:
+        """The all-reduce hook, then the gradients' add; for a reduction finished late."""
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook.run(reduced, self.device)
+        self._store_grads(reduced, got)
+
+    def _reduce(self, reduce_input: torch.Tensor) -> torch.Tensor | None:
+        """This rank's summed gradient shard (1D, grad numel) from the pre-divided input, or
+        ``None`` while it waits for its all-reduce; see ``_reduce.reduce_gradients``."""
+        numel = self._grad_numel
+        # The input has tag columns iff ``_reduce_input`` saw order tags.
+        tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
+        all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
+        reduced = reduce_gradients(
+            reduce_input, numel, self.groups, tags, unit=self.name,
+            all_reduce=all_reduce, partial=self._partial_reduced, comm=self.reduce_scatter_comm,
+        )  # fmt: skip
+        self._partial_reduced = None if all_reduce else reduced
+        if all_reduce and self.all_reduce_hook is not None:
+            self.all_reduce_hook.run(reduced, self.device)
+        return reduced if all_reduce else None
+
+    def _store_grads(self, reduced: torch.Tensor | None, got: list[bool]) -> None:
+        """Add ``reduced`` to the ``.grad`` of each parameter in ``grad_params`` whose entry
+        in ``got`` is true."""
+        if reduced is None:
+            return
+        grad = reduced.to(self.precision.grad_dtype)
+        if self.offload_params:
+            grad = _offload.copy_to_host(
+                grad, self.device, self.streams, unit=self.name, pin=self._pin
+            )
+        for p, offset, store in zip(self._grad_params, self._grad_offsets, got, strict=True):
+            if store:
+                p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
+
+    @property
+    def grad_params(self) -> list[ShardedParam]:
+        """Parameters that required gradients at the last forward, in registration order."""
+        return self._grad_params
+
+    def update_grad_params(self) -> None:
+        """Follow ``requires_grad`` changes made since the last forward.
+
+        See [Note: requires_grad changes after wrapping] in ``_param``.
+        """
+        for p in self.params:
+            p.sync_requires_grad()
+        trainable = [p for p in self.params if p.requires_grad]
+        if trainable == self._grad_params:
+            return
+        for p in self.params:
+            if not p.requires_grad:
+                p.take_unreduced_grad()  # frozen while holding a no_sync gradient: dropped
+        self._grad_params = trainable
+        self._grad_offsets = []
+        offset = 0
+        for p in trainable:
+            self._grad_offsets.append(offset)
+            offset += p.shard_numel
+        self._grad_numel = offset
+
+    def mark_grad_ready(self, param: ShardedParam) -> bool:
+        """Note that ``param`` got its gradient; True once every one in ``grad_params`` has."""
+        self._grads_ready.add(param)
+        return self._grads_ready.issuperset(self._grad_params)
+
+    def has_pending_grads(self) -> bool:
+        """Whether some gradient of this backward has not been reduced yet."""
+        return any(p.has_unreduced_grad() for p in self._grad_params)
+
+    def drop_unreduced_grads(self) -> None:
+        """Forget every gradient not reduced into the sharded ``.grad``s yet."""
+        for p in self.params:
+            p.take_unreduced_grad()
+        self._partial_reduced = None
+
+    def reset_backward(self) -> None:
+        self._grads_ready.clear()

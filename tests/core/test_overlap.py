@@ -1,0 +1,268 @@
+"""Overlap on the CPU (see [Note: overlap on the CPU] in ``fsdp_core/_overlap.py``): prefetched
+all-gathers and reduce-scatters over gloo are issued asynchronously and waited on where their
+results are needed; the collectives, their order and the numbers stay what they are without."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_core import FSDP, BackwardPrefetch, events, fully_shard
+from fsdp_core.debug import set_cpu_overlap
+from fsdp_testing.recording import record_fsdp
+
+# Every spelling fsdp_core may call (it picks the newest the installed torch has).
+_GATHERS = ("all_gather_single", "all_gather_into_tensor")
+_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+class Chain(nn.Module):
+    """A root head over three layers: forward order root, l0, l1, l2; backward the reverse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*(nn.Linear(10, 10) for _ in range(3)))
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.layers(x)))
+
+
+def _wrapper(group: dist.ProcessGroup) -> nn.Module:
+    model = Chain()
+    kwargs = dict(forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = FSDP(layer, group, **kwargs)
+    return FSDP(model, group, **kwargs)
+
+
+def _composable(group: dist.ProcessGroup) -> nn.Module:
+    model = Chain()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model, reshard_after_forward=False)
+    modules = [model, *model.layers]
+    for module, following in itertools.pairwise(modules):
+        module.set_modules_to_forward_prefetch([following])
+    return model
+
+
+_DOORS = {"wrapper": _wrapper, "fully_shard": _composable}
+
+
+def _describe(event: events.Event) -> tuple[object, ...] | None:
+    if isinstance(event, events.Collective):
+        return (event.op, event.unit, event.bytes)
+    if isinstance(event, (events.Unshard, events.Reshard)):
+        return (type(event).__name__, event.unit, event.reason)
+    return None
+
+
+def _train(model: nn.Module, rank: int, steps: int = 3) -> list[tuple[object, ...]]:
+    """``steps`` SGD steps on rank-dependent inputs; every collective and transition seen."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[events.Event] = []
+    handle = events.subscribe(seen.append)
+    try:
+        for step in range(steps):
+            x = torch.randn(4, 10, generator=torch.Generator().manual_seed(10 * rank + step))
+            model(x).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+    finally:
+        handle.remove()
+    return [d for d in map(_describe, seen) if d is not None]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@pytest.mark.distributed(world_size=[2, 3])
+@pytest.mark.parametrize("door", sorted(_DOORS))
+def test_overlap_keeps_the_collectives_their_order_and_the_numbers(rank, process_group, door):
+    """The same model trained with overlap and without: the same collectives (op, unit, bytes)
+    and unshards/reshards (unit, reason) in the same order, and bit-identical parameters. At
+    world size 3 the shards are padded."""
+    assert dist.get_backend(process_group) == "gloo"
+    overlapped, waited = _DOORS[door](process_group), _DOORS[door](process_group)
+    set_cpu_overlap(waited, enabled=False)
+    seen = _train(overlapped, rank)
+    assert seen == _train(waited, rank)
+    assert [d[2] for d in seen if d[0] == "Unshard"].count("backward_prefetch") >= 3
+    for a, b in zip(overlapped.parameters(), waited.parameters(), strict=True):
+        assert torch.equal(_local(a), _local(b))
+
+
+@contextlib.contextmanager
+def _timeline(modules: dict[str, nn.Module]) -> Iterator[list[str]]:
+    """A log of collective issues and waits and of the given modules' compute, in order.
+
+    An asynchronous all-gather or reduce-scatter logs ``"issue AG <unit>"`` and, when its work
+    is waited on, ``"wait AG <unit>"``; a synchronous one ``"sync AG <unit>"``. A module of
+    ``modules`` logs ``"compute <name>"`` when its forward starts.
+    """
+    log: list[str] = []
+    unit = [""]  # the unit of the collective about to be called: its event comes first
+
+    def on_event(event: events.Event) -> None:
+        if isinstance(event, events.Collective):
+            unit[0] = event.unit
+
+    class Work:
+        def __init__(self, work: dist.Work, label: str) -> None:
+            self._work, self._label = work, label
+
+        def wait(self, *args: object) -> bool:
+            log.append(f"wait {self._label}")
+            return self._work.wait(*args)
+
+    def logged(kind: str, original):
+        def call(*args: object, **kwargs: object) -> object:
+            label = f"{kind} {unit[0] or '<root>'}"
+            if not kwargs.get("async_op"):
+                log.append(f"sync {label}")
+                return original(*args, **kwargs)
+            log.append(f"issue {label}")
+            return Work(original(*args, **kwargs), label)
+
+        return call
+
+    originals = {name: getattr(dist, name) for name in _GATHERS + _SCATTERS if hasattr(dist, name)}
+    hooks = [
+        module.register_forward_pre_hook(lambda *_, name=name: log.append(f"compute {name}"))
+        for name, module in modules.items()
+    ]
+    handle = events.subscribe(on_event)
+    for name, original in originals.items():
+        setattr(dist, name, logged("AG" if name in _GATHERS else "RS", original))
+    try:
+        yield log
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        handle.remove()
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("door", sorted(_DOORS))
+def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, process_group, door):
+    """Forward: the next layer's all-gather is issued before this layer computes and waited
+    on after, just before the next layer computes. Backward: each prefetched all-gather is
+    waited on only when its unit's backward starts (after the previous unit's reduce-scatter
+    was issued), and each reduce-scatter is waited on when the next unit's reduction starts (at
+    most one in flight) or at the end of backward. Without overlap every collective waits."""
+    model = _DOORS[door](process_group)
+    inner = model.module if isinstance(model, FSDP) else model
+    layers = {
+        f"layers.{i}": layer.module if isinstance(layer, FSDP) else layer
+        for i, layer in enumerate(inner.layers)
+    }
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()  # the first step records the order it prefetches in
+    for overlap in (True, False):
+        set_cpu_overlap(model, enabled=overlap)
+        with _timeline(layers) as log:
+            model(x).sum().backward()
+            log.append("backward returned")
+        if not overlap:
+            assert all(e.startswith(("sync", "compute", "backward")) for e in log), log
+            continue
+        assert log == [
+            "sync AG <root>",
+            "issue AG layers.0",  # the root's pre-forward prefetches l0
+            "issue AG layers.1",  # l0's pre-forward prefetches l1 ...
+            "wait AG layers.0",  # ... then waits for its own parameters
+            "compute layers.0",  # while l1's all-gather runs
+            "issue AG layers.2",
+            "wait AG layers.1",
+            "compute layers.1",
+            "wait AG layers.2",
+            "compute layers.2",
+            # Backward: the root kept its parameters; it prefetches l2 and reduces.
+            "issue AG layers.2",
+            "issue RS <root>",
+            "issue AG layers.1",  # l2's pre-backward prefetches l1 ...
+            "wait AG layers.2",  # ... then waits for its own parameters
+            "wait RS <root>",  # l2's reduction starts: the root's is finished first
+            "issue RS layers.2",
+            "issue AG layers.0",
+            "wait AG layers.1",
+            "wait RS layers.2",
+            "issue RS layers.1",
+            "wait AG layers.0",
+            "wait RS layers.1",
+            "issue RS layers.0",
+            "wait RS layers.0",  # the end of backward finishes the last one
+            "backward returned",
+        ], log
+
+
+class FailingChain(Chain):
+    """Chain whose backward raises once the gradient reaches layer 0's output, if armed."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 0 and self.armed:
+                x.register_hook(self._fail)
+        return self.head(torch.relu(x))
+
+    @staticmethod
+    def _fail(_: torch.Tensor) -> None:
+        raise RuntimeError("boom in backward")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_failed_backward_leaves_the_gradients_it_leaves_without_overlap(rank, process_group):
+    """An exception in the middle of backward (at layer 0, with layer 1's reduce-scatter in
+    flight): after reset_iter_state every gradient is what it is without overlap (layer 1's
+    reduction finished, layer 0's never started), and so is the next step's."""
+    models = []
+    for overlap in (True, False):
+        model = FailingChain()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model, reshard_after_forward=False)
+        set_cpu_overlap(model, enabled=overlap)
+        models.append(model)
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    for model in models:
+        model.armed = True
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            model(x).sum().backward()
+        model.reset_iter_state()
+        model.armed = False
+    overlapped, waited = models
+    assert waited.layers[1].weight.grad is not None and waited.layers[0].weight.grad is None
+    for _ in range(2):
+        for a, b in zip(overlapped.parameters(), waited.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                assert torch.equal(a.grad.to_local(), b.grad.to_local())
+        for model in models:
+            model(x).sum().backward()
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_no_overlap_where_collectives_complete_in_the_call(rank, process_group):
+    """Thread mode's backend completes each collective inside the call: nothing is issued
+    asynchronously there."""
+    model = _wrapper(process_group)
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    with record_fsdp(model) as rec:
+        model(x).sum().backward()
+    issued = rec.collectives("all_gather") + rec.collectives("reduce_scatter")
+    assert len(issued) == 4 + 3 + 4  # a forward gather per unit, backward's, a reduction each
+    assert not any(r.async_op for r in issued)
