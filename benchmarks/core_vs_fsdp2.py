@@ -36,13 +36,16 @@ fsdp_core's paired ratio to it, i.e. what the in-payload order check (see [Note:
 ``fsdp_core/_overlap.py``) to the interleaved phase, and reports fsdp_core's paired ratio to it:
 what overlapping the collectives with compute gains per step.
 
+``--variants-only`` runs the interleaved phase alone with fsdp_core and those variants, so that a
+long run (hundreds of rounds) narrows their intervals in a fraction of the time.
+
 ``--profile`` adds a third phase: every engine (and fsdp_core with its tags off) profiled with
 torch's profiler for ``--steps`` steps, the step's time split into compute, copy, collectives,
 optimizer and other (Python and the profiler); see ``_step_profile.py``.
 
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
        [--rounds 20] [--no-forward-prefetch] [--order-check-cost] [--overlap-cost]
-       [--profile]
+       [--variants-only] [--profile]
 """
 
 from __future__ import annotations
@@ -234,6 +237,7 @@ def run_rank_interleaved(
     order_check_cost: bool = False,
     overlap_cost: bool = False,
     forward_prefetch: bool = False,
+    variants_only: bool = False,
 ) -> None:
     """Every engine's model in this rank, stepped in turn; writes ``interleaved-rank{N}.json``.
 
@@ -241,17 +245,17 @@ def run_rank_interleaved(
     steps run every engine ``warmup`` times first; then each round steps every engine once,
     starting with a different engine each round. With ``order_check_cost`` fsdp_core with its
     order tags off (:data:`CORE_UNTAGGED`) is one more engine, with ``overlap_cost`` fsdp_core
-    without overlap (:data:`CORE_NO_OVERLAP`).
+    without overlap (:data:`CORE_NO_OVERLAP`); ``variants_only`` steps fsdp_core and those
+    variants only.
     """
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    engines: tuple[str, ...] = ENGINES
     # Next to fsdp_core, so that most rounds step them back to back.
     variants = (CORE_UNTAGGED,) * order_check_cost + (CORE_NO_OVERLAP,) * overlap_cost
-    engines = (ENGINES[0], *variants, *ENGINES[1:])
+    engines = (ENGINES[0], *variants, *(() if variants_only else ENGINES[1:]))
     steppers = {}
     for engine in engines:
         model, block_class = _build(width, blocks)
@@ -348,6 +352,28 @@ def variant_ratio(
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     low, high = median_interval(ratios)
     return {"median": median, "q1": q1, "q3": q3, "ci95": [low, high], "ratios": ratios}
+
+
+def _print_variants(
+    args: argparse.Namespace,
+    summary: dict[str, dict[str, Any]],
+    interleaved: list[dict[str, list[float]]],
+) -> None:
+    """Print fsdp_core's paired ratio to each variant asked for; add it to ``summary``."""
+    variants = [
+        (CORE_UNTAGGED, args.order_check_cost, "order check", "the tags off"),
+        (CORE_NO_OVERLAP, args.overlap_cost, "overlap", "no overlap on the CPU"),
+    ]
+    for variant, asked, label, other in variants:
+        if not asked:
+            continue
+        cost = summary[variant] = variant_ratio(interleaved, variant)
+        print(
+            f"{label}: fsdp_core / fsdp_core with {other} = {cost['median']:.4f} (median "
+            f"of {len(cost['ratios'])} paired rounds; quartiles {cost['q1']:.4f} to "
+            f"{cost['q3']:.4f}; 95% interval of the median {cost['ci95'][0]:.4f} to "
+            f"{cost['ci95'][1]:.4f})"
+        )
 
 
 def _load(out_dir: str, name: str) -> Any:
@@ -526,6 +552,12 @@ def main() -> None:
         "report the paired ratio: what overlapping collectives with compute gains",
     )
     parser.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="run only the interleaved phase, with fsdp_core and the variants asked for "
+        "(--order-check-cost, --overlap-cost): a long run narrows their intervals",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also profile --steps steps of every engine and print where a step's time goes "
@@ -537,6 +569,10 @@ def main() -> None:
         help="also draw step time and peak memory per engine (matplotlib: the 'plot' extra)",
     )
     args = parser.parse_args()
+    if args.variants_only and not (args.order_check_cost or args.overlap_cost):
+        parser.error("--variants-only needs --order-check-cost, --overlap-cost or both")
+    if args.variants_only and (args.png or args.profile or args.json):
+        parser.error("--variants-only runs the interleaved phase alone: no --png/--profile/--json")
     if args.png:
         from fsdp_testing.cli._plot import require_matplotlib
 
@@ -554,15 +590,22 @@ def main() -> None:
             out_dir=out_dir,
             forward_prefetch=args.forward_prefetch,
         )
-        for engine in ENGINES:
-            print(f"running {engine} (isolated) ...", flush=True)
-            _launch("run_rank", engine, dict(engine=engine, steps=args.steps, **common))
-        print("running every engine interleaved ...", flush=True)
         interleaved_kwargs = dict(
             rounds=args.rounds,
             order_check_cost=args.order_check_cost,
             overlap_cost=args.overlap_cost,
+            variants_only=args.variants_only,
         )
+        if args.variants_only:
+            print("running fsdp_core and its variants interleaved ...", flush=True)
+            _launch("run_rank_interleaved", "interleaved", dict(**interleaved_kwargs, **common))
+            interleaved = [_load(out_dir, f"interleaved-rank{r}.json")["times"] for r in (0, 1)]
+            _print_variants(args, {}, interleaved)
+            return
+        for engine in ENGINES:
+            print(f"running {engine} (isolated) ...", flush=True)
+            _launch("run_rank", engine, dict(engine=engine, steps=args.steps, **common))
+        print("running every engine interleaved ...", flush=True)
         _launch("run_rank_interleaved", "interleaved", dict(**interleaved_kwargs, **common))
         results = {
             engine: [_load(out_dir, f"{engine}-rank{r}.json") for r in (0, 1)] for engine in ENGINES
@@ -580,20 +623,7 @@ def main() -> None:
 
         shutdown()
     summary = _print_report(args, results, interleaved)
-    variants = [
-        (CORE_UNTAGGED, args.order_check_cost, "order check", "the tags off"),
-        (CORE_NO_OVERLAP, args.overlap_cost, "overlap", "no overlap on the CPU"),
-    ]
-    for variant, asked, label, other in variants:
-        if not asked:
-            continue
-        cost = summary[variant] = variant_ratio(interleaved, variant)
-        print(
-            f"{label}: fsdp_core / fsdp_core with {other} = {cost['median']:.4f} (median "
-            f"of {len(cost['ratios'])} paired rounds; quartiles {cost['q1']:.4f} to "
-            f"{cost['q3']:.4f}; 95% interval of the median {cost['ci95'][0]:.4f} to "
-            f"{cost['ci95'][1]:.4f})"
-        )
+    _print_variants(args, summary, interleaved)
     if profiles is not None:
         from _step_profile import print_profile
 

@@ -16,6 +16,14 @@ output and input positionally, everything else by keyword::
 
 Only the keywords the caller passed are forwarded. The originals of every name accept that call.
 
+[Note: replacements run synchronously]
+A replacement is called with ``async_op=False`` even when the engine asked for ``async_op=True``
+(fsdp_core does on the CPU over gloo, see [Note: overlap on the CPU] in ``fsdp_core/_overlap.py``;
+FSDP2 for ``unshard(async_op=True)``), and the engine gets ``None``, a complete collective, back.
+So what a replacement does after calling the next implementation down (round the output, check
+it, count bytes) sees the finished result, as it would on a synchronous call; the collectives it
+replaces just do not overlap with compute while it is installed.
+
 [Note: list collectives]
 On CPU, torch's FSDP1 all-gathers with the list form ``dist.all_gather(tensor_list, tensor)``,
 where ``tensor_list`` is ``torch.chunk`` of one flat buffer. :func:`patch_all_gather` replaces
@@ -120,6 +128,9 @@ def normalized_collective(new: Callable[..., Any], family: str) -> Callable[...,
                 return getattr(dist, called_name(list_name))(*args, **kwargs)
         if positional:
             rest = {**dict(zip(trailing, positional, strict=False)), **rest}
+        if rest.get("async_op"):  # see [Note: replacements run synchronously]
+            new(output, input_, **{**rest, "async_op": False})
+            return None
         return new(output, input_, **rest)
 
     return call

@@ -354,3 +354,29 @@ def test_current_rank_is_per_thread_rank(rank):
     from fsdp_testing.patching import current_rank
 
     assert current_rank() == rank
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_replacement_runs_synchronously_when_the_caller_asks_for_async_op(rank, process_group):
+    """An asynchronous call (fsdp_core's overlap on the CPU) reaches the replacement with
+    async_op=False and returns a complete collective (None), so the replacement sees the
+    finished output after calling the next implementation down; without a patch the same call
+    returns a Work."""
+    seen: list[dict[str, Any]] = []
+
+    def doubled(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+        seen.append(dict(kwargs))
+        work = call_next(output, input, **kwargs)
+        output.mul_(2)  # after a synchronous call: the gathered values
+        return work
+
+    out = torch.empty(2)
+    shard = torch.tensor([float(rank + 1)])
+    with patch_all_gather(doubled) as call_next:
+        result = dist.all_gather_into_tensor(out, shard, group=process_group, async_op=True)
+    assert result is None
+    assert seen == [{"group": process_group, "async_op": False}]
+    assert out.tolist() == [2.0, 4.0]
+    work = dist.all_gather_into_tensor(out, shard, group=process_group, async_op=True)
+    work.wait()
+    assert out.tolist() == [1.0, 2.0]
