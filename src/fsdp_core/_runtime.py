@@ -462,12 +462,12 @@ class FSDPState:
                 )
 
     # ------------------------------------------------------------------ helpers
-    def _unshard(self, reason: events.UnshardReason, *, async_op: bool = False) -> None:
+    def _unshard(self, reason: events.UnshardReason) -> None:
         unit = self.unit
         if unit is None or unit.is_unsharded:
             return
         self._order().validate(self, "unshard")
-        unit.unshard(reason, async_op=async_op)
+        unit.unshard(reason)
 
     def _prefetch(
         self, target: FSDPState | None, reason: events.UnshardReason, *, explicit: bool = False
@@ -502,7 +502,7 @@ class FSDPState:
             )
             if unsharded >= _MAX_UNSHARDED_FOR_PREFETCH:
                 return
-        target._unshard(reason, async_op=True)  # waited on in the target's pre-hook
+        target._unshard(reason)  # waited on in the target's pre-hook
 
     def _order(self) -> ExecOrder[FSDPState]:
         if self.exec_order is None:

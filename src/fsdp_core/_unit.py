@@ -47,6 +47,8 @@ from ._unit_grads import UnitGrads
 
 __all__ = ["FSDPUnit"]
 
+# Unshards whose all-gather may run while the rank computes: see [Note: overlap on the CPU].
+_PREFETCHES = ("forward_prefetch", "backward_prefetch")
 # The tag an unshard's all-gather carries, by the reason of the unshard.
 _GATHER_OPS: dict[events.UnshardReason, TagOp] = {
     "forward": TagOp.FORWARD_GATHER,
@@ -182,8 +184,8 @@ class FSDPUnit(UnitGrads):
         """Make the module see full parameters; one all-gather unless unsharded.
 
         On CUDA the gather is only issued here; :meth:`wait_for_unshard` finishes it before
-        compute uses the parameters. See [Note: streams and events]. On the CPU too with
-        ``async_op`` over gloo (prefetches); see [Note: overlap on the CPU] in ``_overlap``.
+        compute uses the parameters. See [Note: streams and events]. On the CPU too, over gloo,
+        for a prefetch or with ``async_op``; see [Note: overlap on the CPU] in ``_overlap``.
         """
         if self.is_unsharded:
             return
@@ -192,7 +194,8 @@ class FSDPUnit(UnitGrads):
             op = _GATHER_OPS[reason]
             self._reason = reason
             if streams is None:
-                self._gathered = self._gather_for_unshard(op, wait=not self._overlaps(async_op))
+                overlap = self._overlaps(async_op or reason in _PREFETCHES)
+                self._gathered = self._gather_for_unshard(op, wait=not overlap)
                 if self._pending_gather is None:
                     self._copy_out()
             else:

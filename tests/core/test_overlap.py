@@ -207,6 +207,22 @@ def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, pro
         ], log
 
 
+@pytest.mark.distributed(world_size=2)
+def test_unshard_async_op_leaves_the_all_gather_to_the_handle(rank, process_group):
+    """``unshard(async_op=True)`` returns with the all-gather in flight; ``wait()`` waits for it
+    and shows the full parameters."""
+    model = _composable(process_group)
+    model(torch.randn(4, 10)).sum().backward()  # the root's lazy init
+    layer = model.layers[1]
+    with _timeline({}) as log:
+        handle = layer.unshard(async_op=True)
+        log.append("returned")
+        handle.wait()
+    assert log == ["issue AG layers.1", "returned", "wait AG layers.1"]
+    assert torch.equal(layer.weight, Chain().layers[1].weight)
+    layer.reshard()
+
+
 class FailingChain(Chain):
     """Chain whose backward raises once the gradient reaches layer 0's output, if armed."""
 

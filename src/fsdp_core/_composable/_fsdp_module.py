@@ -79,7 +79,10 @@ class FSDPModule:
         if unit is not None and not unit.is_unsharded:
             if state.exec_order is not None:
                 state.exec_order.validate(state, "unshard")
-            unit.unshard("explicit", async_op=async_op)
+            if async_op:  # see [Note: overlap on the CPU] in _overlap
+                unit.unshard("explicit", async_op=True)
+            else:
+                unit.unshard("explicit")
         handle = UnshardHandle(unit)
         if async_op:
             return handle
