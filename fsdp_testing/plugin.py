@@ -30,6 +30,9 @@ _RANK_PARAM = "_fsdp_testing_fake_rank"
 _settings_key = pytest.StashKey["Any"]()
 _engine_env_key = pytest.StashKey["str | None"]()
 _exit_status_key = pytest.StashKey[int]()
+# An item's DistSpec (None: not distributed), parsed once: setup, each fixture and the call ask.
+_spec_key = pytest.StashKey["DistSpec | None"]()
+_MISSING: Any = object()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -270,6 +273,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _spec_of(item: pytest.Item) -> DistSpec | None:
+    spec = item.stash.get(_spec_key, _MISSING)
+    if spec is _MISSING:
+        spec = item.stash[_spec_key] = _parse_spec_of(item)
+    return spec
+
+
+def _parse_spec_of(item: pytest.Item) -> DistSpec | None:
     specs = _marker_specs(item)
     if specs is None:
         return None

@@ -302,10 +302,12 @@ class ProcessLauncher:
             for rank in obs.stragglers:
                 obs.stacks[rank] = _strip_output(gen.read_log(rank, offsets[rank]), rank, obs)
             self._kill([gen.pids[r] for r in obs.stragglers])
-        for rank in range(gen.world_size):
-            obs.records[rank] = collective_log.read_record_file(
-                os.path.join(gen.gen_dir, f"rank{rank}.flight")
-            )
+        failed = any(r.outcome is Outcome.FAILED for r in obs.results.values())
+        if failed or obs.stragglers or obs.dead:  # only a failure's report reads them
+            for rank in range(gen.world_size):
+                obs.records[rank] = collective_log.read_record_file(
+                    os.path.join(gen.gen_dir, f"rank{rank}.flight")
+                )
         if obs.dead:
             statuses = self._statuses([gen.pids[r] for r in obs.dead], 2.0)
             for rank in obs.dead:

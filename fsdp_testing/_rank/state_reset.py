@@ -6,7 +6,6 @@ captured once and restored after every test. See [Note: warm pool isolation] in
 
 from __future__ import annotations
 
-import operator
 import random
 import types
 
@@ -34,6 +33,7 @@ class RankState:
         self._dtype = torch.get_default_dtype()
         self._modules = [dist, c10d]
         self._attrs = [dict(vars(m)) for m in self._modules]
+        self._snapshots = [_snapshot(attrs) for attrs in self._attrs]
         self._groups = set(c10d._world.pg_map)
 
     def restore(self) -> None:
@@ -42,13 +42,13 @@ class RankState:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        for module, attrs in zip(self._modules, self._attrs, strict=True):
+        saved = zip(self._modules, self._attrs, self._snapshots, strict=True)
+        for module, attrs, snapshot in saved:
             current = vars(module)
             # The common case, nothing added, removed or rebound, checked in C before the
-            # Python loop over some 400 attributes below.
-            if current.keys() == attrs.keys() and not any(
-                map(operator.is_not, map(current.get, attrs), attrs.values())
-            ):
+            # Python loop over some 400 attributes below: same names in the same order, each
+            # bound to the same object.
+            if _snapshot(current) == snapshot:
                 continue
             for key in [k for k in current if k not in attrs]:
                 if isinstance(current[key], types.ModuleType):
@@ -60,6 +60,7 @@ class RankState:
                     continue
                 if current.get(key, _MISSING) is not value:
                     setattr(module, key, value)
+            snapshot[:] = _snapshot(current)  # e.g. a submodule imported during the test
         for pg in [pg for pg in list(c10d._world.pg_map) if pg not in self._groups]:
             try:
                 dist.destroy_process_group(pg)
@@ -72,6 +73,11 @@ class RankState:
         torch.set_grad_enabled(True)
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)
+
+
+def _snapshot(attrs: dict[str, object]) -> list[object]:
+    """``attrs``'s names and the ids of their values, in order (compared in C)."""
+    return [*attrs, *map(id, attrs.values())]
 
 
 def _forget_dtensor_meshes() -> None:
