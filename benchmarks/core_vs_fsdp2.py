@@ -207,7 +207,8 @@ def run_rank(
     # DDP all-reduces its buckets from its C++ Reducer, below the Python API that
     # CollectiveLog watches: its collectives are not counted (shown as "not visible").
     # Named, not found: the wrapper's engine also recognizes the composable door's modules.
-    named = get_engine(engine) if engine.startswith("fsdp_core") else None
+    variant = engine in (CORE_UNTAGGED, CORE_NO_OVERLAP)  # the wrapper's, switched
+    named = get_engine("fsdp_core" if variant else engine) if engine.startswith("fsdp") else None
     theory = theoretical_volume(model, full_shard=True, engine=named)
     theory_totals = theory.totals() if theory is not None else {}
     result = {

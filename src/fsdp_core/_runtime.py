@@ -54,8 +54,7 @@ __all__ = [
 # The attribute under which the wrapper door keeps the wrapped module; never part of a name.
 WRAPPED_MODULE_NAME = "_fsdp_wrapped_module"
 
-# With limit_all_gathers, a prefetch is skipped while this many non-root units are unsharded
-# (gathered: replicated units do not count).
+# limit_all_gathers: no prefetch while this many non-root units are gathered (not replicated).
 _MAX_UNSHARDED_FOR_PREFETCH = 2
 
 
@@ -130,7 +129,7 @@ class FSDPState:
         self.in_state_dict = False  # an enclosing instance is building a full state dict
         self.streams: CudaStreams | None = None  # root only, on CUDA
         self.cpu_overlap = CpuOverlap()  # the root's is used, on the CPU
-        self.overlaps_on_cpu = True  # see ``set_cpu_overlap``
+        self.overlaps_on_cpu = True  # see ``fsdp_core.debug.set_cpu_overlap``
         self.fqn = ""
         self.is_root: bool | None = None  # decided at the first forward
         self.root: FSDPState | None = None
@@ -224,7 +223,8 @@ class FSDPState:
         else:  # see [Note: overlap on the CPU] in _overlap
             self.cpu_overlap.max_pending_reduces = pending
             for state in states:
-                state.set_cpu_overlap(state.overlaps_on_cpu)
+                if state.unit is not None and state.overlaps_on_cpu:
+                    state.unit.cpu_overlap = self.cpu_overlap
 
     def set_order_tags(self, enabled: bool) -> None:
         """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""
@@ -232,12 +232,6 @@ class FSDPState:
         unit, order = self.unit, self.exec_order
         if unit is not None and order is not None:  # else lazy init reads ``tag_collectives``
             unit.order_tags = order.checker.for_unit(order.index(self)) if enabled else None
-
-    def set_cpu_overlap(self, enabled: bool) -> None:
-        """Overlap on the CPU (the default) or not; see ``fsdp_core.debug``."""
-        self.overlaps_on_cpu = enabled
-        if self.unit is not None and self.root is not None:  # else lazy init reads the flag
-            self.unit.cpu_overlap = self.root.cpu_overlap if enabled else None
 
     # ------------------------------------------------------------------ forward
     def pre_forward(
@@ -270,13 +264,16 @@ class FSDPState:
             # group called alone, e.g. an output head per chunk): that is not in the order.
             order.record_pre_forward(self)
         self._unshard("forward")
+        unit = self.unit
+        if unit is not None and unit.streams is None:  # see [Note: overlap on the CPU]
+            unit.wait_for_unshard()  # the CPU copies out before a prefetch gathers more
         if self.forward_prefetch_targets is not None:
             for target in self.forward_prefetch_targets:
                 self._prefetch(target, "forward_prefetch", explicit=True)
         elif self.config.forward_prefetch:
             self._prefetch(order.next_to_forward(self), "forward_prefetch")
-        if self.unit is not None:
-            self.unit.wait_for_unshard()
+        if unit is not None:
+            unit.wait_for_unshard()
         return self.cast_forward_inputs(args, kwargs)
 
     def cast_forward_inputs(
@@ -353,13 +350,16 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self._unshard("backward")
+        unit = self.unit
+        if unit is not None and unit.streams is None:  # as in ``pre_forward``
+            unit.wait_for_unshard()
         if self.backward_prefetch_targets is not None:
             for target in self.backward_prefetch_targets:
                 self._prefetch(target, "backward_prefetch", explicit=True)
         elif self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
-        if self.unit is not None:
-            self.unit.wait_for_unshard()
+        if unit is not None:
+            unit.wait_for_unshard()
 
     def _register_post_backward_hooks(self) -> None:
         """Hook every trainable unsharded parameter that has no hook yet.

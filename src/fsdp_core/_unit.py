@@ -306,12 +306,17 @@ class FSDPUnit(UnitGrads):
         grads = [p.take_unreduced_grad() for p in self._grad_params]
         if all(g is None for g in grads):
             return
+        streams = self.streams
+        overlap = self._overlap_for_reduce() if streams is None else None
+        if overlap is not None:  # the reduction in flight finishes before this one's buffers
+            overlap.make_room()  # are made: at most one unit's extra (see ``_overlap``)
         reduce_input = self._reduce_input(grads)
         got = [g is not None or not self.skip_params_without_grads for g in grads]
-        streams = self.streams
+        if overlap is not None:
+            self._reduce_later(overlap, reduce_input, got)
+            return
         if streams is None:
-            if not self._reduce_later(reduce_input, got):
-                self._store_grads(self._reduce(reduce_input), got)
+            self._store_grads(self._reduce(reduce_input), got)
             return
         side = streams.reduce_scatter
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -96,22 +96,26 @@ class UnitGrads:
             full.div_(self.groups.world)  # See [Note: gradient averaging].
         return full
 
-    def _reduce_later(self, reduce_input: torch.Tensor, got: list[bool]) -> bool:
-        """Issue the reduce-scatter and leave the rest to ``cpu_overlap``, where the reduction
-        is that one collective over gloo; else False. See [Note: overlap on the CPU]."""
+    def _overlap_for_reduce(self) -> CpuOverlap | None:
+        """``cpu_overlap`` where the reduction is one reduce-scatter over gloo (no replicate
+        group, no custom reduce-scatter), else None. See [Note: overlap on the CPU]."""
         overlap, groups = self.cpu_overlap, self.groups
         if overlap is None or not self._sharded or groups.replicate_size > 1:
-            return False
+            return None
         if self.reduce_scatter_comm is not None or not overlaps(groups.shard):
-            return False
+            return None
+        return overlap
+
+    def _reduce_later(
+        self, overlap: CpuOverlap, reduce_input: torch.Tensor, got: list[bool]
+    ) -> None:
+        """Issue the reduce-scatter and leave the rest to ``overlap``."""
         numel = self._grad_numel
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
-        overlap.make_room()
         scatter = start_reduce_scatter(
-            reduce_input, numel, groups, tags, unit=self.name, async_op=True
+            reduce_input, numel, groups=self.groups, tags=tags, unit=self.name, async_op=True
         )
         overlap.defer(scatter, reduce_input, lambda reduced: self._reduced(reduced, got))
-        return True
 
     def _reduced(self, reduced: torch.Tensor, got: list[bool]) -> None:
         """The all-reduce hook, then the gradients' add; for a reduction finished late."""

@@ -99,4 +99,6 @@ def set_cpu_overlap(module: nn.Module, *, enabled: bool) -> None:
             "backward; call it between training steps."
         )
     for state in states:
-        state.set_cpu_overlap(enabled)
+        state.overlaps_on_cpu = enabled  # read at the root's lazy init
+        if state.unit is not None and state.root is not None:
+            state.unit.cpu_overlap = state.root.cpu_overlap if enabled else None

@@ -124,6 +124,9 @@ def _timeline(modules: dict[str, nn.Module]) -> Iterator[list[str]]:
             log.append(f"wait {self._label}")
             return self._work.wait(*args)
 
+        def is_completed(self) -> bool:
+            return self._work.is_completed()
+
     def logged(kind: str, original):
         def call(*args: object, **kwargs: object) -> object:
             label = f"{kind} {unit[0] or '<root>'}"
@@ -156,11 +159,12 @@ def _timeline(modules: dict[str, nn.Module]) -> Iterator[list[str]]:
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("door", sorted(_DOORS))
 def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, process_group, door):
-    """Forward: the next layer's all-gather is issued before this layer computes and waited
-    on after, just before the next layer computes. Backward: each prefetched all-gather is
-    waited on only when its unit's backward starts (after the previous unit's reduce-scatter
-    was issued), and each reduce-scatter is waited on when the next unit's reduction starts (at
-    most one in flight) or at the end of backward. Without overlap every collective waits."""
+    """Forward: the next layer's all-gather is issued before this layer computes (once this
+    layer's own parameters are copied out) and waited on just before the next layer computes.
+    Backward: each prefetched all-gather is waited on only when its unit's backward starts
+    (after the previous unit's reduce-scatter was issued), and each reduce-scatter when the
+    next unit's reduction starts (one in flight at most) or at the end of backward.
+    Without overlap every collective waits where it is issued."""
     model = _DOORS[door](process_group)
     inner = model.module if isinstance(model, FSDP) else model
     layers = {
@@ -180,23 +184,23 @@ def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, pro
         assert log == [
             "sync AG <root>",
             "issue AG layers.0",  # the root's pre-forward prefetches l0
-            "issue AG layers.1",  # l0's pre-forward prefetches l1 ...
-            "wait AG layers.0",  # ... then waits for its own parameters
-            "compute layers.0",  # while l1's all-gather runs
-            "issue AG layers.2",
+            "wait AG layers.0",  # l0's pre-forward waits for its own parameters, then ...
+            "issue AG layers.1",  # ... prefetches l1 ...
+            "compute layers.0",  # ... whose all-gather runs while l0 computes
             "wait AG layers.1",
+            "issue AG layers.2",
             "compute layers.1",
             "wait AG layers.2",
             "compute layers.2",
             # Backward: the root kept its parameters; it prefetches l2 and reduces.
             "issue AG layers.2",
             "issue RS <root>",
-            "issue AG layers.1",  # l2's pre-backward prefetches l1 ...
-            "wait AG layers.2",  # ... then waits for its own parameters
+            "wait AG layers.2",  # l2's pre-backward waits for its own parameters, then ...
+            "issue AG layers.1",  # ... prefetches l1
             "wait RS <root>",  # l2's reduction starts: the root's is finished first
             "issue RS layers.2",
-            "issue AG layers.0",
             "wait AG layers.1",
+            "issue AG layers.0",
             "wait RS layers.2",
             "issue RS layers.1",
             "wait AG layers.0",
