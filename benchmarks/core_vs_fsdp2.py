@@ -19,12 +19,12 @@ Two phases, both in this run:
   rank's), then the median of those paired ratios.
 
 Wrapping is the same for the three sharded engines: every block is a unit and the root owns the
-rest; FULL_SHARD with prefetch of one unit in both directions: backward (``BACKWARD_PRE``, FSDP2's
-default) and forward (the wrapper's ``forward_prefetch=True``; on both ``fully_shard``s the root
-and each block name the next block with ``set_modules_to_forward_prefetch``, which FSDP2 does
-implicitly on CUDA only); the root keeps its parameters from forward to backward (both
-``fully_shard``s: ``reshard_after_forward=False`` on the root, which is what the wrapper and
-FSDP1 do for the root). ``--no-forward-prefetch`` drops the forward prefetch for all three.
+rest; FULL_SHARD with backward prefetch of one unit; the root keeps its parameters from forward
+to backward (both ``fully_shard``s: ``reshard_after_forward=False`` on the root, which is what
+the wrapper and FSDP1 do for the root). ``--forward-prefetch`` also prefetches one unit in
+forward, for all three alike: the wrapper's ``forward_prefetch=True``; on both ``fully_shard``s
+the root and each block name the next block with ``set_modules_to_forward_prefetch`` (FSDP2
+prefetches in forward implicitly on CUDA only).
 
 ``--order-check-cost`` adds a fourth model to the interleaved phase: fsdp_core with its order
 tags switched off (``fsdp_core.debug.set_order_check``, a debugging option), and reports
@@ -44,7 +44,7 @@ torch's profiler for ``--steps`` steps, the step's time split into compute, copy
 optimizer and other (Python and the profiler); see ``_step_profile.py``.
 
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
-       [--rounds 20] [--no-forward-prefetch] [--order-check-cost] [--overlap-cost]
+       [--rounds 20] [--forward-prefetch] [--order-check-cost] [--overlap-cost]
        [--variants-only] [--profile]
 """
 
@@ -540,11 +540,10 @@ def main() -> None:
         "the paired ratio: the cost of the in-payload order check",
     )
     parser.add_argument(
-        "--no-forward-prefetch",
-        dest="forward_prefetch",
-        action="store_false",
-        help="no sharded engine prefetches in forward (each unit is gathered by its own "
-        "forward; the configuration of the measurements before November 26, 2026)",
+        "--forward-prefetch",
+        action="store_true",
+        help="every sharded engine also prefetches the next block in forward (the wrapper's "
+        "forward_prefetch=True, FSDP2's set_modules_to_forward_prefetch)",
     )
     parser.add_argument(
         "--overlap-cost",

@@ -63,6 +63,29 @@ def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
     assert_drawn_png(png, width=1000, height=450)
 
 
+def test_core_vs_fsdp2_variants_only_reports_the_order_check_and_the_overlap():
+    """--variants-only steps fsdp_core next to its untagged and its unoverlapped copies only,
+    and prints both paired ratios with their intervals; it needs a variant to measure."""
+    script = str(ROOT / "benchmarks" / "core_vs_fsdp2.py")
+    small = ("--width", "32", "--blocks", "1", "--warmup", "1", "--rounds", "3")
+    proc = subprocess.run(
+        [sys.executable, script, *small, "--variants-only", "--order-check-cost",
+         "--overlap-cost"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fsdp_core and its variants interleaved" in proc.stdout
+    assert "isolated" not in proc.stdout and "torch_fsdp2" not in proc.stdout
+    for label in ("order check", "overlap"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"{label}: "))
+        assert "median of 3 paired rounds" in line and "95% interval of the median" in line
+    refused = subprocess.run(
+        [sys.executable, script, "--variants-only"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2
+    assert "--variants-only needs --order-check-cost, --overlap-cost or both" in refused.stderr
+
+
 def test_harness_overhead_prints_its_table_and_draws_its_png(tmp_path, capsys):
     rows = [
         ("fsdp_testing warm pool", [0.002, 0.0021, 0.0019]),
