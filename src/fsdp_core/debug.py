@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ._runtime import states_in
+from ._runtime import FSDPState, states_in
 from .api import TrainingState
 
 __all__ = ["set_cpu_overlap", "set_order_check", "suspend_hooks"]
@@ -38,13 +38,7 @@ def suspend_hooks(module: nn.Module) -> Iterator[None]:
     Raises:
         RuntimeError: an instance is inside a forward or backward.
     """
-    states = states_in(module)
-    busy = [s.fqn or "<root>" for s in states if s.training_state is not TrainingState.IDLE]
-    if busy:
-        raise RuntimeError(
-            f"fsdp_core.debug.suspend_hooks: FSDP instances {busy} are inside a forward or "
-            "backward; enter it between training steps."
-        )
+    states = _idle_states(module, "suspend_hooks", "enter it")
     entered = [s for s in states if not s.hooks_suspended]  # an outer block keeps the others
     for state in entered:
         state.hooks_suspended = True
@@ -91,14 +85,19 @@ def set_cpu_overlap(module: nn.Module, *, enabled: bool) -> None:
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"set_cpu_overlap(enabled=...) takes a bool, got {enabled!r}.")
+    for state in _idle_states(module, "set_cpu_overlap", "call it"):
+        state.overlaps_on_cpu = enabled  # read at the root's lazy init
+        if state.unit is not None and state.root is not None:
+            state.unit.cpu_overlap = state.root.cpu_overlap if enabled else None
+
+
+def _idle_states(module: nn.Module, api: str, fix: str) -> list[FSDPState]:
+    """The FSDP states of ``module``'s tree; raises if one is inside a forward or backward."""
     states = states_in(module)
     busy = [s.fqn or "<root>" for s in states if s.training_state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(
-            f"fsdp_core.debug.set_cpu_overlap: FSDP instances {busy} are inside a forward or "
-            "backward; call it between training steps."
+            f"fsdp_core.debug.{api}: FSDP instances {busy} are inside a forward or backward; "
+            f"{fix} between training steps."
         )
-    for state in states:
-        state.overlaps_on_cpu = enabled  # read at the root's lazy init
-        if state.unit is not None and state.root is not None:
-            state.unit.cpu_overlap = state.root.cpu_overlap if enabled else None
+    return states

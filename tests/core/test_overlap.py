@@ -286,3 +286,22 @@ def test_no_overlap_where_collectives_complete_in_the_call(rank, process_group):
     issued = rec.collectives("all_gather") + rec.collectives("reduce_scatter")
     assert len(issued) == 4 + 3 + 4  # a forward gather per unit, backward's, a reduction each
     assert not any(r.async_op for r in issued)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_set_cpu_overlap_refuses_a_non_bool_and_a_call_inside_a_step(rank, process_group):
+    model = _wrapper(process_group)
+    with pytest.raises(TypeError, match=r"set_cpu_overlap\(enabled=...\) takes a bool, got 1"):
+        set_cpu_overlap(model, enabled=1)  # type: ignore[arg-type]
+    errors: list[str] = []
+
+    def inside(*_: object) -> None:
+        try:
+            set_cpu_overlap(model, enabled=False)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    model.module.head.register_forward_pre_hook(inside)
+    model(torch.randn(4, 10)).sum().backward()
+    assert len(errors) == 1 and "fsdp_core.debug.set_cpu_overlap: FSDP instances" in errors[0]
+    assert "call it between training steps" in errors[0]
