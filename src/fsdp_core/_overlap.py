@@ -17,17 +17,17 @@ once it issues the collective with ``async_op=True`` and waits where the result 
   the all-reduce hook, the add into each ``.grad``) runs when the next unit's reduction starts,
   before that unit's reduce buffer is made (at most ``max_pending_reduces`` in flight, one unless
   ``set_reduce_scatter_max_input_buffers`` says more, as FSDP2 holds one on CUDA), or at the end
-  of backward, in issue order. The one unit's reduce input and output held meanwhile are what
-  the overlap costs in memory: they live through the next unit's backward compute (about 3% of
-  the benchmark model's peak; docs/benchmarks.md). Finishing earlier (at the next unit's first
-  gradient) did not lower the peak, which comes before it, and gloo's ``Work.is_completed()``
-  stays False until ``wait()`` on torch 2.13, so "finish what is already complete" cannot be
-  asked.
+  of backward, in issue order. A unit with a replicate group reduces synchronously: its
+  all-reduce would otherwise move after the next unit's collectives. After a failed step
+  ``reset_iter_state`` finishes the reductions in flight, so the gradients left are those left
+  without overlap. The one unit's reduce input and output held meanwhile are what the overlap
+  costs in memory: they live through the next unit's backward compute (about 3.5% of the
+  benchmark model's peak tensor memory; docs/benchmarks.md). Finishing earlier (at the next
+  unit's first gradient) did not lower the peak, which comes before it, and gloo's
+  ``Work.is_completed()`` stays False until ``wait()`` on torch 2.13, so "finish what is
+  already complete" cannot be asked.
 - On the CPU a unit copies its own parameters out before it prefetches the next unit, so the
-  prefetch's buffer does not coexist with both copies of its own parameters. A unit with
-  a replicate group reduces synchronously: its all-reduce would otherwise move after the next
-  unit's collectives. After a failed step ``reset_iter_state`` finishes the reductions in
-  flight, so the gradients left are those left without overlap.
+  prefetch's buffer does not coexist with both copies of its own parameters.
 
 Every collective is issued at the same point of the step as without overlap, so the order of
 a rank's collectives (what the recorder and the collective patches see, what the order check
