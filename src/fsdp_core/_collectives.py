@@ -49,6 +49,7 @@ __all__ = [
     "moves_data",
     "new_buffer",
     "reduce_scatter_flat",
+    "wait",
 ]
 
 
@@ -190,7 +191,7 @@ def all_gather_flat(
             return getattr(dist, _ALL_GATHER)(output, shard, group=group, async_op=True)
         getattr(dist, _ALL_GATHER)(output, shard, group=group)
     else:
-        _wait(comm(output, shard, group, async_op=False))
+        wait(comm(output, shard, group, async_op=False))
     return None
 
 
@@ -218,11 +219,13 @@ def reduce_scatter_flat(
             )
         getattr(dist, _REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group)
     else:
-        _wait(comm(output, full, group, dist.ReduceOp.SUM, async_op=False))
+        wait(comm(output, full, group, dist.ReduceOp.SUM, async_op=False))
     return None
 
 
-def _wait(work: Any) -> None:
+def wait(work: Any) -> None:
+    """Wait for what a collective returned: a ``Work``, or ``None`` (or anything without
+    ``wait``, e.g. from a patched collective) for one already complete."""
     if work is not None and hasattr(work, "wait"):
         work.wait()
 

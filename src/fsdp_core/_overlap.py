@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _order_check
+from . import _collectives, _order_check
 from ._order_check import UnitTags
 from ._reduce import ReduceScatter
 
@@ -58,11 +58,6 @@ def overlaps(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group``'s collectives run on threads of their own (gloo), so that issuing them
     with ``async_op=True`` lets the rank compute meanwhile."""
     return group is not None and dist.get_backend(group) == "gloo"
-
-
-def _wait(work: Any) -> None:
-    if work is not None:  # a patched collective may return nothing: already complete
-        work.wait()
 
 
 @dataclass
@@ -79,7 +74,7 @@ class PendingGather:
 
     def finish(self) -> None:
         """Wait for the all-gather; then compare the tags it carried."""
-        _wait(self.work)
+        _collectives.wait(self.work)
         self.work = None
         if self.tags is not None:
             received = _order_check.gathered_tags(self.gathered, self.world, self.numel)

@@ -78,9 +78,8 @@ class ReduceScatter:
     def finish(self) -> torch.Tensor:
         """Wait, check the tags, return the reduced shard with room for the all-reduce's tags
         after it (1D)."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        _collectives.wait(self.work)
+        self.work = None
         if self.tags is not None:
             self.tags.check(self.code, self.reduced[self.numel : self.row], self.group)
         return self.reduced

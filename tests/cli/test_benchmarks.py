@@ -39,6 +39,7 @@ def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
             str(ROOT / "benchmarks" / "core_vs_fsdp2.py"),
             *("--width", "32", "--blocks", "1", "--steps", "1", "--warmup", "1"),
             *("--rounds", "2", "--json", str(out), "--png", str(png)),
+            "--forward-prefetch",  # the default configuration runs in the test below
         ],
         capture_output=True,
         text=True,
@@ -47,6 +48,7 @@ def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DIFFERS" not in proc.stdout, proc.stdout
     assert "fsdp_core / FSDP2 =" in proc.stdout and "paired rounds" in proc.stdout
+    assert "sharded engines prefetch one unit in backward and forward" in proc.stdout
     report = json.loads(out.read_text())
     for engine in ("fsdp_core", "fsdp_core_fully_shard", "torch_fsdp2"):
         rank0 = report["results"][engine][0]
