@@ -156,3 +156,33 @@ def test_readable_stack_leaves_text_without_frames_alone() -> None:
     from fsdp_testing._report.hang_report import readable_stack
 
     assert readable_stack("(no stack dump)") == "(no stack dump)"
+
+
+def test_flight_record_file_reads_back_what_the_rank_recorded(tmp_path: Any) -> None:
+    """The memory-mapped record another process reads: the newest ``capacity`` entries oldest
+    first, each update visible, a reset empty, and an entry too big for its slot shortened
+    rather than lost."""
+    from fsdp_testing._report.collective_log import FlightRecorder, read_record_file
+
+    path = str(tmp_path / "rank0.flight")
+    rec = FlightRecorder(capacity=4, path=path)
+    assert read_record_file(path) == []
+    for _ in range(6):
+        entry = rec.enter("all_reduce", "default", [[4]], "float32")
+        rec.finish(entry, "completed")
+    read = read_record_file(path)
+    assert [e["seq"] for e in read] == [3, 4, 5, 6]
+    assert read == rec.snapshot()
+
+    big = rec.enter("all_gather", "default", [[8, 8]] * 1000, "float32")
+    assert read_record_file(path)[-1]["state"] == "entered"
+    rec.finish(big, "raised")
+    last = read_record_file(path)[-1]
+    assert (last["op"], last["seq"], last["state"]) == ("all_gather", 7, "raised")
+    assert last["shapes"] == [[8, 8]] * 8 + [["..."]]
+    assert [e["seq"] for e in read_record_file(path)] == [4, 5, 6, 7]
+
+    rec.reset()
+    assert read_record_file(path) == []
+    rec.finish(rec.enter("barrier", "default", [], None), "completed")
+    assert [(e["op"], e["seq"]) for e in read_record_file(path)] == [("barrier", 1)]
