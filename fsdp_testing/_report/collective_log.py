@@ -126,7 +126,8 @@ class FlightRecorder:
         data = json.dumps(entry).encode()
         room = _SLOT_BYTES - _LENGTH.size
         if len(data) > room:  # e.g. a list collective over hundreds of tensors
-            data = json.dumps({**entry, "shapes": entry.get("shapes", [])[:8] + [["..."]]}).encode()
+            shapes = [*entry.get("shapes", [])[:8], ["..."]]
+            data = json.dumps({**entry, "shapes": shapes}).encode()
             data = data if len(data) <= room else json.dumps({**entry, "shapes": []}).encode()
         start = _HEADER.size + slot * _SLOT_BYTES
         self._mm[start + _LENGTH.size : start + _LENGTH.size + len(data)] = data
