@@ -11,8 +11,8 @@ Three kinds of process talk over ``multiprocessing`` connections on one Unix soc
   the fork server greets the parent with :class:`ServerHello`.
 - rank -> parent, once: :class:`RankHello` on connecting, then :class:`RankReady` or
   :class:`RankInitFailed` after joining the process group.
-- parent -> rank, per test: a pickled :class:`Task` (answered by a :class:`RankResult`), or
-  :class:`Stop`.
+- parent -> rank, per test: a pickled :class:`Task` (answered by a :class:`RankResult`, then,
+  from a rank that stays, by :class:`RankReset` once it has reset itself), or :class:`Stop`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "RankHello",
     "RankInitFailed",
     "RankReady",
+    "RankReset",
     "RankResult",
     "ServerHello",
     "StatusQuery",
@@ -210,3 +211,11 @@ class RankReady:
 class RankInitFailed:
     rank: int
     traceback: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReset:
+    """A warm rank reset its state after a task (``traceback`` None) or could not, and exits."""
+
+    rank: int
+    traceback: str | None = None

@@ -42,7 +42,7 @@ from fsdp_testing._launch.job_messages import (
     take,
 )
 from fsdp_testing._launch.torchrun import JobEnv, job_env
-from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed
+from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._report import collective_log
 from fsdp_testing._report.hang_report import stack_sources
@@ -58,6 +58,7 @@ EXITING_KEY = "exiting"
 EXIT_WAIT_S = 10.0
 STACK_DUMP_WAIT_S = 0.3
 START_TIMEOUT_S = 120.0
+RESET_TIMEOUT_S = 30.0  # as the local pool's
 """How long a rank process may take to join its world (every rank of the world must start)."""
 BEAT_S = 0.5
 IDLE_POLL_S = 0.1
@@ -83,6 +84,8 @@ class _Child:
     rank: int
     offset: int = 0
     """Size of the rank's log when its current task started."""
+    reset_pending: bool = False
+    """It ran a task and will say whether it reset itself (:class:`RankReset`)."""
 
     def read_log(self, limit: int = 20000) -> str:
         try:
@@ -378,6 +381,12 @@ class Slot:
         if child is None or child.conn is None:
             self._post(key, Died("had no rank process for this world", "", []))
             return
+        if child.reset_pending:
+            failure = self._await_reset(child)
+            if failure is not None:
+                self._children.pop(msg.gen, None)
+                self._post(key, Died(failure, child.read_log(4000), child.records()))
+                return
         child.offset = child.log_size()
         try:
             child.conn.send_bytes(self._store.get(f"task/{msg.task_id}"))
@@ -396,9 +405,32 @@ class Slot:
                 self._post(key, Finished(result, child.records()))
                 if result.needs_restart:
                     self._kill(self._children.pop(msg.gen))
+                else:
+                    child.reset_pending = True
                 return
             if self._message_waiting():
                 return  # a dump or the end of the session: the main loop answers it
+
+    def _await_reset(self, child: _Child) -> str | None:
+        """None once ``child`` says it reset itself after its last task; else why it did not
+        (it is then ended). See [Note: warm pool isolation] in ``pool.py``."""
+        assert child.conn is not None
+        deadline = time.monotonic() + RESET_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._beat()
+            if child.conn.poll(POLL_S):
+                try:
+                    reset = child.conn.recv()
+                except (EOFError, OSError):
+                    return f"its rank process {self._reap(child)} after the last test"
+                child.reset_pending = False
+                if isinstance(reset, RankReset) and reset.traceback is None:
+                    return None
+                self._kill(child)
+                why = reset.traceback if isinstance(reset, RankReset) else repr(reset)
+                return f"its rank process could not reset its state after the last test:\n{why}"
+        self._kill(child)
+        return f"its rank process did not reset its state within {RESET_TIMEOUT_S:.0f} s"
 
     def _dump(self, msg: DumpRank) -> None:
         key = f"dump/{msg.task_id}/{self._rank}"

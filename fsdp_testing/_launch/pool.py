@@ -4,13 +4,17 @@ each running ``rank_process.py``'s loop).
 [Note: warm pool isolation]
 Ranks of one (world size, backend) stay alive between tests, with their process group, so a
 test costs a few messages and the test body, not an interpreter start and ``import torch``.
-What a test may leave behind is undone on every rank after every task (``RankState.restore``):
+What a test may leave behind is undone on every rank after every task (``RankState.restore``,
+run after the rank has sent its result, while the parent reports the test):
 RNG state, default dtype and device, grad mode, attributes of ``torch.distributed`` that the test
 patched, added or that our own flight recorder wraps, and extra process groups. A generation of
 ranks is thrown away and forked anew from the fork server when it cannot be trusted: a rank
 died, timed out or was still running when a peer failed (it may be stuck in a collective), the
 test destroyed the default group, or the pool is disabled (``--no-dist-pool``). Per-test state is
-reset on the rank by ``fsdp_testing/_rank/state_reset.py``.
+reset on the rank by ``fsdp_testing/_rank/state_reset.py``. Each rank then says it reset
+itself (:class:`~fsdp_testing._protocol.RankReset`); the parent reads that before it sends the
+next task, and a rank that could not reset exits and is replaced by a new generation, with a
+warning that carries its traceback.
 
 A generation is reused only by tests whose process-group timeout it satisfies: its group was
 created with a timeout of ``max(test timeout, MIN_PG_TIMEOUT_S)``, and a later test with a longer
@@ -41,6 +45,7 @@ from fsdp_testing._protocol import (
     Outcome,
     RankHello,
     RankInitFailed,
+    RankReset,
     RankResult,
     ServerHello,
     Statuses,
@@ -55,6 +60,9 @@ __all__ = ["ProcessLauncher"]
 
 STACK_DUMP_WAIT_S = 0.3
 START_TIMEOUT_S = 60.0
+RESET_TIMEOUT_S = 30.0
+"""How long a warm rank may take to reset itself after a task (it restores a few attributes and
+destroys the groups the test made: milliseconds) before it counts as hung and is replaced."""
 MIN_PG_TIMEOUT_S = 30.0
 """Floor of a generation's process-group timeout (a test's own timeout may be shorter: the
 parent stops its ranks at the test's timeout whatever the group's is)."""
@@ -253,6 +261,8 @@ class ProcessLauncher:
             # Its collectives would raise before this test's timeout: start a longer-lived one.
             self._discard(gen)
             gen = None
+        if gen is not None and not self._reset(gen):
+            gen = None
         if gen is None:
             gen = self._start_generation(world_size, backend, pg_timeout_s)
         payload = pickle.dumps(task)
@@ -268,6 +278,34 @@ class ProcessLauncher:
         else:
             self._discard(gen)
         return obs
+
+    def _reset(self, gen: _Generation) -> bool:
+        """Whether every rank of ``gen`` reset itself after its last task (it says so while the
+        parent reports that task, so this rarely waits). If one could not, ``gen`` is
+        discarded with a warning that carries the rank's traceback."""
+        failures = []
+        for rank, conn in enumerate(gen.conns):
+            try:
+                msg = conn.recv() if conn.poll(RESET_TIMEOUT_S) else None
+            except (EOFError, OSError):
+                msg = None
+            if not isinstance(msg, RankReset):
+                failures.append(f"rank {rank} did not report its reset: it ended or hangs")
+            elif msg.traceback is not None:
+                failures.append(f"rank {rank}:\n{msg.traceback}")
+        if not failures:
+            return True
+        import warnings
+
+        warnings.warn(
+            f"fsdp_testing: the warm ranks of world size {gen.world_size} ({gen.backend}) could "
+            "not reset their state after the last test; this test runs on new ranks.\n"
+            + "\n".join(failures),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._discard(gen)
+        return False
 
     def _collect(self, gen: _Generation, timeout: float, offsets: list[int]) -> Observation:
         deadline = Deadline(timeout)

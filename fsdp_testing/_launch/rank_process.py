@@ -26,6 +26,7 @@ from fsdp_testing._protocol import (
     RankHello,
     RankInitFailed,
     RankReady,
+    RankReset,
     RankResult,
     Stop,
 )
@@ -94,6 +95,8 @@ def serve(
     collective_log.install(lambda: recorder)
     state = RankState()
     router = install_router(tee=log)
+    import torch.distributed as dist
+
     conn.send(RankReady(rank, os.getpid()))
     while True:
         try:
@@ -114,9 +117,6 @@ def serve(
             if isinstance(task, Stop):
                 os._exit(0)
             result = run_task(task, ctx, router)
-        state.restore()
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             result.needs_restart = True
         try:
@@ -125,6 +125,14 @@ def serve(
             os._exit(0)
         if result.needs_restart:
             os._exit(0)
+        # The reset runs while the parent reports this test and sets up the next one, off
+        # the test's own time (see [Note: warm pool isolation] in ``pool.py``).
+        try:
+            state.restore()
+        except BaseException:
+            conn.send(RankReset(rank, traceback.format_exc()))
+            os._exit(1)
+        conn.send(RankReset(rank))
 
 
 def _join(rank: int, spec: GenerationSpec) -> RankContext:

@@ -213,6 +213,18 @@ def test_a_dead_rank_is_named_with_its_node_and_the_next_test_passes(torchrun_jo
     assert torchrun_job.case("test_after_the_death") == ("passed", "")
 
 
+def test_a_rank_that_cannot_reset_fails_the_next_test_by_name(torchrun_job: Job) -> None:
+    """Across nodes a rank's slot cannot start new ranks for one test: the test after a failed
+    reset fails naming the rank and the traceback, and the test after it gets new ranks."""
+    assert torchrun_job.case("test_rank_one_breaks_its_reset") == ("passed", "")
+    outcome, text = torchrun_job.case("test_after_a_broken_reset")
+    assert outcome == "failed"
+    assert "rank 1 (node 0, local rank 1)" in text
+    assert "could not reset its state after the last test" in text
+    assert "RuntimeError: reset broken on purpose" in text
+    assert torchrun_job.case("test_after_the_replacement") == ("passed", "")
+
+
 def _own_lines(output: str) -> list[str]:
     """Lines of a torchrun command's output that are not torchrun's own (its banner, its agent's
     logging and the failure summary it prints when its workers exit non-zero)."""
@@ -226,7 +238,8 @@ def _own_lines(output: str) -> list[str]:
             if not _TORCH_LOG.match(line):
                 lines.append(line)
     if "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in output:
-        start = lines.index("Traceback (most recent call last):")
+        # torchrun's own traceback is the last one (a test's failure report may hold others).
+        start = len(lines) - 1 - lines[::-1].index("Traceback (most recent call last):")
         assert lines[start + 1].endswith('/torchrun", line 8, in <module>'), lines[start:]
         lines = lines[:start]
     return lines
@@ -234,9 +247,9 @@ def _own_lines(output: str) -> list[str]:
 
 def test_one_report_on_the_first_node_and_one_line_on_the_other(torchrun_job: Job) -> None:
     first, other = (_own_lines(out) for out in torchrun_job.outputs)
-    assert len(torchrun_job.cases) == 11, "the JUnit XML holds every test"
+    assert len(torchrun_job.cases) == 14, "the JUnit XML holds every test"
     assert sum("short test summary info" in line for line in first) == 1
-    assert re.match(r"=+ 3 failed, 7 passed, 1 skipped in [\d.]+s =+$", first[-1]), first[-1]
+    assert re.match(r"=+ 4 failed, 9 passed, 1 skipped in [\d.]+s =+$", first[-1]), first[-1]
     assert len(other) == 1, other
     assert other[0].startswith("fsdp_testing: node 1 ("), other[0]
     assert "of this torchrun job; the report is on node 0 (" in other[0]

@@ -96,3 +96,15 @@ def test_a_longer_timeout_gets_a_process_group_that_waits_as_long(
     assert case.outcome == "passed", case.text
     assert pids["k"].isdisjoint(pids["j"]), "ranks with a 40 s group timeout were reused"
     assert pids["l"] == pids["k"], "a shorter timeout should reuse the longer-lived ranks"
+
+
+def test_ranks_that_cannot_reset_are_replaced_with_a_warning(pooled: tuple[Run, dict]) -> None:
+    """A rank resets itself after it has sent its result; one that cannot says why and exits,
+    and the next test runs on new ranks and carries the rank's traceback as a warning."""
+    run, pids = pooled
+    assert run.cases["test_m_breaks_the_reset_after_it"].outcome == "passed"
+    case = run.cases["test_n_after_a_broken_reset"]
+    assert case.outcome == "passed", case.text
+    assert pids["n"].isdisjoint(pids["m"])
+    assert "could not reset their state after the last test" in run.stdout
+    assert "RuntimeError: reset broken on purpose" in run.stdout

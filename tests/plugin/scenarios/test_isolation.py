@@ -148,3 +148,23 @@ def test_k_longer_timeout_on_the_same_world(rank):
 @pytest.mark.distributed(world_size=3, timeout=40)
 def test_l_shorter_timeout_reuses_the_longer_lived_ranks(rank):
     _note("l", rank)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_m_breaks_the_reset_after_it(rank):
+    _note("m", rank)
+    if rank == 1:
+        from fsdp_testing._rank.state_reset import RankState
+
+        def broken(self):
+            raise RuntimeError("reset broken on purpose")
+
+        RankState.restore = broken
+
+
+@pytest.mark.distributed(world_size=2)
+def test_n_after_a_broken_reset(rank):
+    _note("n", rank)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2

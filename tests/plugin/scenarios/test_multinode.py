@@ -56,6 +56,29 @@ def test_after_the_death(rank):
     assert t.item() == 4
 
 
+@pytest.mark.distributed(world_size=4)
+def test_rank_one_breaks_its_reset(rank):
+    if rank == 1:
+        from fsdp_testing._rank.state_reset import RankState
+
+        def broken(self):
+            raise RuntimeError("reset broken on purpose")
+
+        RankState.restore = broken
+
+
+@pytest.mark.distributed(world_size=4)
+def test_after_a_broken_reset(rank):
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_after_the_replacement(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4
+
+
 @pytest.mark.distributed(world_size=8)
 def test_needs_eight(rank):
     pass
