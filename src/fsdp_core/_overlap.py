@@ -20,18 +20,24 @@ once it issues the collective with ``async_op=True`` and waits where the result 
   of backward, in issue order. A unit with a replicate group reduces synchronously: its
   all-reduce would otherwise move after the next unit's collectives. After a failed step
   ``reset_iter_state`` finishes the reductions in flight, so the gradients left are those left
-  without overlap. The one unit's reduce input and output held meanwhile are what the overlap
-  costs in memory: they live through the next unit's backward compute (about 3.5% of the
-  benchmark model's peak tensor memory; docs/benchmarks.md). Finishing earlier (at the next
-  unit's first gradient) did not lower the peak, which comes before it, and gloo's
-  ``Work.is_completed()`` stays False until ``wait()`` on torch 2.13, so "finish what is
-  already complete" cannot be asked.
+  without overlap. The one unit's reduce input held meanwhile lives through the next unit's
+  backward compute. So that the overlap costs no memory, a backward prefetch asked for while a
+  reduction is in flight takes its all-gather's place there instead: the unit is unsharded as
+  asked (its ``unshard`` runs, and is seen, where it always was), but the all-gather is issued
+  when the next reduction makes room, just before the one in flight is waited on, or at the
+  unit's own ``wait_for_unshard`` or reshard if that comes first. A unit's backward then holds
+  its parameters, its gradients and one unit's reduce input, as FSDP2's holds its parameters,
+  its gradients and the prefetched unit's all-gather output (measured on the benchmark model:
+  the prefetch as an all-gather in flight through the compute was about 3.5% more peak tensor
+  memory than FSDP2; docs/benchmarks.md). gloo's ``Work.is_completed()`` stays False until
+  ``wait()`` on torch 2.13, so "finish what is already complete" cannot be asked.
 - On the CPU a unit copies its own parameters out before it prefetches the next unit, so the
   prefetch's buffer does not coexist with both copies of its own parameters.
 
-Every collective is issued at the same point of the step as without overlap, so the order of
-a rank's collectives (what the recorder and the collective patches see, what the order check
-compares) does not change; only where the rank waits does. Only gloo overlaps: thread mode's
+Every collective keeps its place in the order of a rank's collectives (what the recorder and
+the collective patches see, what the order check compares): a deferred backward prefetch is
+still issued before the reduce-scatter of the unit whose backward asked for it; only where the
+rank waits, and when between two collectives it computes, changes. Only gloo overlaps: thread mode's
 backends complete a collective inside the call and the fake backend moves nothing.
 ``fsdp_core.debug.set_cpu_overlap`` turns it off, to measure it (``benchmarks/core_vs_fsdp2.py
 --overlap-cost``).
@@ -90,9 +96,24 @@ class CpuOverlap:
         self.max_pending_reduces = 1
         self._reduces: deque[tuple[ReduceScatter, torch.Tensor, Callable[[torch.Tensor], None]]]
         self._reduces = deque()
+        self._gathers: list[Callable[[], None]] = []  # deferred backward prefetches, in order
+
+    @property
+    def reducing(self) -> bool:
+        """Whether a reduction is in flight."""
+        return bool(self._reduces)
+
+    def defer_gather(self, issue: Callable[[], None]) -> None:
+        """Call ``issue`` (a backward prefetch's all-gather) when room is next made, before the
+        reduction in flight is waited on; ``issue`` must do nothing once called already."""
+        self._gathers.append(issue)
 
     def make_room(self) -> None:
-        """Finish the oldest reductions until one more may be issued."""
+        """Issue the deferred all-gathers, then finish the oldest reductions until one more may
+        be issued."""
+        gathers, self._gathers = self._gathers, []
+        for issue in gathers:
+            issue()
         while len(self._reduces) >= self.max_pending_reduces:
             self._finish_oldest()
 
@@ -107,7 +128,9 @@ class CpuOverlap:
         self._reduces.append((scatter, reduce_input, then))
 
     def flush(self) -> None:
-        """Finish every reduction in flight, oldest first (the end of backward)."""
+        """Finish every reduction in flight, oldest first (the end of backward). A deferred
+        all-gather is left to its unit's wait or reshard."""
+        self._gathers.clear()
         while self._reduces:
             self._finish_oldest()
 

@@ -128,6 +128,7 @@ class FSDPUnit(UnitGrads):
         self.streams: CudaStreams | None = None  # set by the root at lazy init on CUDA
         self.cpu_overlap: CpuOverlap | None = None  # set by the root at lazy init on the CPU
         self._pending_gather: PendingGather | None = None  # see [Note: overlap on the CPU]
+        self._deferred_op: TagOp | None = None  # a backward prefetch's gather, not yet issued
         # Set by the root at lazy init; None: collectives go untagged. See [Note: order check].
         self.order_tags: UnitTags | None = None
         alias = not self._sharded and not offload_params and not self.precision.casts_params
@@ -195,16 +196,22 @@ class FSDPUnit(UnitGrads):
             self._reason = reason
             if streams is None:
                 overlap = self._overlaps(async_op or reason in _PREFETCHES)
-                self._gathered = self._gather_for_unshard(op, wait=not overlap)
-                if self._pending_gather is None:
-                    self._copy_out()
+                cpu = self.cpu_overlap
+                if overlap and reason == "backward_prefetch" and cpu is not None and cpu.reducing:
+                    self._deferred_op = op  # issued later: see [Note: overlap on the CPU]
+                    cpu.defer_gather(self._issue_deferred_gather)
+                else:
+                    self._gathered = self._gather_for_unshard(op, wait=not overlap)
+                    if self._pending_gather is None:
+                        self._copy_out()
             else:
                 streams.before_all_gather()
                 with torch.cuda.stream(streams.all_gather):
                     self._gathered = self._gather_for_unshard(op)
                     self._gathered_event = streams.all_gather.record_event()
+        pending = self._pending_gather is not None or self._deferred_op is not None
         for p in self.params:  # a pending all-gather's copy-out allocates
-            p.to_unsharded(alloc=self._pending_gather is None)
+            p.to_unsharded(alloc=not pending)
         self.is_unsharded = True
         if events.has_subscribers():
             events.publish(
@@ -219,6 +226,7 @@ class FSDPUnit(UnitGrads):
     def wait_for_unshard(self) -> None:
         """Finish a pending unshard on the current stream (on the CPU: a pending all-gather)."""
         streams = self.streams
+        self._issue_deferred_gather()
         if self._gathered is None:
             return
         if streams is None:
@@ -231,6 +239,12 @@ class FSDPUnit(UnitGrads):
             torch.cuda.current_stream(self.device).wait_event(self._gathered_event)
         self._copy_out()
         streams.record_copy_out()
+
+    def _issue_deferred_gather(self) -> None:
+        """Issue the all-gather of a deferred backward prefetch, if one is waiting."""
+        op, self._deferred_op = self._deferred_op, None
+        if op is not None:
+            self._gathered = self._gather_for_unshard(op, wait=False)
 
     def _gather_for_unshard(self, op: TagOp, *, wait: bool = True) -> torch.Tensor:
         """The all-gather output to copy out: from the blocks kept after forward, if any."""
@@ -266,6 +280,7 @@ class FSDPUnit(UnitGrads):
             return
         # A prefetch that was never waited on: its output was only used on the gather stream
         # (CUDA), or is complete once waited on (CPU).
+        self._issue_deferred_gather()  # issued as on every other rank, then finished
         if self._pending_gather is not None:
             self._pending_gather.finish()
             self._pending_gather = None

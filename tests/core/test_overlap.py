@@ -55,6 +55,7 @@ def _composable(group: dist.ProcessGroup) -> nn.Module:
 
 
 _DOORS = {"wrapper": _wrapper, "fully_shard": _composable}
+_TRANSITIONS = ("Unshard", "Reshard")
 
 
 def _describe(event: events.Event) -> tuple[object, ...] | None:
@@ -89,13 +90,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("door", sorted(_DOORS))
 def test_overlap_keeps_the_collectives_their_order_and_the_numbers(rank, process_group, door):
     """The same model trained with overlap and without: the same collectives (op, unit, bytes)
-    and unshards/reshards (unit, reason) in the same order, and bit-identical parameters. At
-    world size 3 the shards are padded."""
+    in the same order, the same unshards/reshards (unit, reason) in the same order, and
+    bit-identical parameters. (A backward prefetch's all-gather may be issued after its unshard
+    while a reduction is in flight, so the two orders are compared each on its own.) At world
+    size 3 the shards are padded."""
     assert dist.get_backend(process_group) == "gloo"
     overlapped, waited = _DOORS[door](process_group), _DOORS[door](process_group)
     set_cpu_overlap(waited, enabled=False)
-    seen = _train(overlapped, rank)
-    assert seen == _train(waited, rank)
+    seen, plain = _train(overlapped, rank), _train(waited, rank)
+
+    def transitions(events: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+        return [e for e in events if e[0] in _TRANSITIONS]
+
+    def collectives(events: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+        return [e for e in events if e[0] not in _TRANSITIONS]
+
+    assert collectives(seen) == collectives(plain)
+    assert transitions(seen) == transitions(plain)
     assert [d[2] for d in seen if d[0] == "Unshard"].count("backward_prefetch") >= 3
     for a, b in zip(overlapped.parameters(), waited.parameters(), strict=True):
         assert torch.equal(_local(a), _local(b))
@@ -161,9 +172,10 @@ def _timeline(modules: dict[str, nn.Module]) -> Iterator[list[str]]:
 def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, process_group, door):
     """Forward: the next layer's all-gather is issued before this layer computes (once this
     layer's own parameters are copied out) and waited on just before the next layer computes.
-    Backward: each prefetched all-gather is waited on only when its unit's backward starts
-    (after the previous unit's reduce-scatter was issued), and each reduce-scatter when the
-    next unit's reduction starts (one in flight at most) or at the end of backward.
+    Backward: each prefetched all-gather is issued when the reduction of the unit that asked
+    for it starts, just before the reduce-scatter in flight is waited on, and is waited on when
+    its unit's backward starts; each reduce-scatter is waited on when the next unit's reduction
+    starts (one in flight at most) or at the end of backward.
     Without overlap every collective waits where it is issued."""
     model = _DOORS[door](process_group)
     inner = model.module if isinstance(model, FSDP) else model
@@ -195,9 +207,11 @@ def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, pro
             # Backward: the root kept its parameters; it prefetches l2 and reduces.
             "issue AG layers.2",
             "issue RS <root>",
-            "wait AG layers.2",  # l2's pre-backward waits for its own parameters, then ...
-            "issue AG layers.1",  # ... prefetches l1
-            "wait RS <root>",  # l2's reduction starts: the root's is finished first
+            "wait AG layers.2",  # l2's pre-backward waits for its own parameters and asks
+            # for l1, whose all-gather waits while the root's reduction is in flight: l2
+            # computes; its reduction starts by issuing l1's all-gather, then ...
+            "issue AG layers.1",
+            "wait RS <root>",  # ... finishes the root's
             "issue RS layers.2",
             "wait AG layers.1",
             "issue AG layers.0",
@@ -209,6 +223,36 @@ def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, pro
             "wait RS layers.0",  # the end of backward finishes the last one
             "backward returned",
         ], log
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("door", sorted(_DOORS))
+def test_a_backward_prefetch_waits_for_the_reduction_in_flight(rank, process_group, door):
+    """A backward prefetch asked for while a reduce-scatter is in flight is unsharded where it
+    always was, but its all-gather is issued after the asking unit's backward has computed and
+    resharded, just before that unit's reduction: the prefetch's buffer never lives through a
+    unit's backward next to the reduce input in flight (the overlap costs no memory). Without
+    overlap it is issued at the unshard."""
+    for overlap in (True, False):
+        model = _DOORS[door](process_group)
+        set_cpu_overlap(model, enabled=overlap)
+        _train(model, rank, steps=1)  # records the backward order the prefetches follow
+        seen = _train(model, rank, steps=1)
+        backward = seen[seen.index(("Unshard", "layers.2", "backward_prefetch")) :]
+        gather = next(
+            i for i, e in enumerate(backward) if e[:2] == ("all_gather_single", "layers.1")
+        )
+        asked = backward.index(("Unshard", "layers.1", "backward_prefetch"))
+        resharded = backward.index(("Reshard", "layers.2", "backward"))
+        scatter = next(
+            i
+            for i, e in enumerate(backward)
+            if "reduce_scatter" in str(e[0]) and e[1] == "layers.2"
+        )
+        if overlap:
+            assert asked < resharded < gather < scatter, backward
+        else:
+            assert gather < asked < resharded < scatter, backward
 
 
 @pytest.mark.distributed(world_size=2)
