@@ -27,9 +27,9 @@ once it issues the collective with ``async_op=True`` and waits where the result 
   when the next reduction makes room, just before the one in flight is waited on, or at the
   unit's own ``wait_for_unshard`` or reshard if that comes first. A unit's backward then holds
   its parameters, its gradients and one unit's reduce input, as FSDP2's holds its parameters,
-  its gradients and the prefetched unit's all-gather output (measured on the benchmark model:
-  the prefetch as an all-gather in flight through the compute was about 3.5% more peak tensor
-  memory than FSDP2; docs/benchmarks.md). gloo's ``Work.is_completed()`` stays False until
+  its gradients and the prefetched unit's all-gather output (on the benchmark model the peak
+  tensor memory was 3.5% over FSDP2's with the prefetch issued at its unshard, 0.7% with it
+  deferred; docs/benchmarks.md). gloo's ``Work.is_completed()`` stays False until
   ``wait()`` on torch 2.13, so "finish what is already complete" cannot be asked.
 - On the CPU a unit copies its own parameters out before it prefetches the next unit, so the
   prefetch's buffer does not coexist with both copies of its own parameters.
