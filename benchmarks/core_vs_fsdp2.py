@@ -45,7 +45,7 @@ optimizer and other (Python and the profiler); see ``_step_profile.py``.
 
 Usage: python benchmarks/core_vs_fsdp2.py [--width 512] [--blocks 4] [--steps 8] [--warmup 3]
        [--rounds 20] [--forward-prefetch] [--order-check-cost] [--overlap-cost]
-       [--variants-only] [--profile]
+       [--variants-only] [--profile] [--exact-memory]
 """
 
 from __future__ import annotations
@@ -408,7 +408,8 @@ def _print_report(
         f"\nmodel: {args.blocks} blocks of width {args.width}, {params / 1e6:.2f} M parameters "
         f"({_mib(params * 4)} MiB fp32); batch 4 x 64 tokens per rank; world size 2 (gloo, "
         f"1 thread per rank); sharded engines prefetch one unit in backward"
-        f"{' and forward' if args.forward_prefetch else ' only'}\n",
+        f"{' and forward' if args.forward_prefetch else ' only'}"
+        f"{'; peak RSS follows the tensors (--exact-memory)' if args.exact_memory else ''}\n",
     )
     rows = []
     differs = []
@@ -564,6 +565,14 @@ def main() -> None:
         "(compute, copy, collectives, optimizer, other)",
     )
     parser.add_argument(
+        "--exact-memory",
+        action="store_true",
+        help="rank processes map every allocation over 128 KiB on its own (glibc's "
+        "MALLOC_MMAP_THRESHOLD_), so peak RSS follows the live tensors instead of the heap's "
+        "history, whose noise between runs and ranks is several percent; steps run about 1.7x "
+        "slower (every large allocation faults its pages in), so read step times without it",
+    )
+    parser.add_argument(
         "--png",
         metavar="PATH",
         help="also draw step time and peak memory per engine (matplotlib: the 'plot' extra)",
@@ -580,6 +589,8 @@ def main() -> None:
             require_matplotlib("core_vs_fsdp2.py --png")
         except ImportError as error:
             parser.error(str(error))
+    if args.exact_memory:  # read by glibc when the fork server starts; the ranks inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     out_dir = tempfile.mkdtemp(prefix="fsdp-bench-")
     try:

@@ -40,6 +40,7 @@ def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
             *("--width", "32", "--blocks", "1", "--steps", "1", "--warmup", "1"),
             *("--rounds", "2", "--json", str(out), "--png", str(png)),
             "--forward-prefetch",  # the default configuration runs in the test below
+            "--exact-memory",
         ],
         capture_output=True,
         text=True,
@@ -49,6 +50,7 @@ def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
     assert "DIFFERS" not in proc.stdout, proc.stdout
     assert "fsdp_core / FSDP2 =" in proc.stdout and "paired rounds" in proc.stdout
     assert "sharded engines prefetch one unit in backward and forward" in proc.stdout
+    assert "peak RSS follows the tensors (--exact-memory)" in proc.stdout
     report = json.loads(out.read_text())
     for engine in ("fsdp_core", "fsdp_core_fully_shard", "torch_fsdp2"):
         rank0 = report["results"][engine][0]
