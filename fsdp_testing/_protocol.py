@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "ENGINE_ENV",
     "RANK_FIXTURES",
+    "RESET_TIMEOUT_S",
     "ForkRanks",
     "Forked",
     "FunctionRef",
@@ -211,6 +212,11 @@ class RankReady:
 class RankInitFailed:
     rank: int
     traceback: str
+
+
+RESET_TIMEOUT_S = 30.0
+"""How long a warm rank may take to send :class:`RankReset` after its result (it restores a few
+attributes and destroys the groups the test made: milliseconds) before it counts as hung."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,13 @@ from fsdp_testing._launch.job_messages import (
     take,
 )
 from fsdp_testing._launch.torchrun import JobEnv, job_env
-from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
+from fsdp_testing._protocol import (
+    RESET_TIMEOUT_S,
+    GenerationSpec,
+    RankHello,
+    RankInitFailed,
+    RankReset,
+)
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._report import collective_log
 from fsdp_testing._report.hang_report import stack_sources
@@ -58,7 +64,6 @@ EXITING_KEY = "exiting"
 EXIT_WAIT_S = 10.0
 STACK_DUMP_WAIT_S = 0.3
 START_TIMEOUT_S = 120.0
-RESET_TIMEOUT_S = 30.0  # as the local pool's
 """How long a rank process may take to join its world (every rank of the world must start)."""
 BEAT_S = 0.5
 IDLE_POLL_S = 0.1

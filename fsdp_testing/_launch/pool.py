@@ -39,6 +39,7 @@ from typing import cast
 
 from fsdp_testing._launch.deadline import Deadline
 from fsdp_testing._protocol import (
+    RESET_TIMEOUT_S,
     Forked,
     ForkRanks,
     GenerationSpec,
@@ -60,9 +61,6 @@ __all__ = ["ProcessLauncher"]
 
 STACK_DUMP_WAIT_S = 0.3
 START_TIMEOUT_S = 60.0
-RESET_TIMEOUT_S = 30.0
-"""How long a warm rank may take to reset itself after a task (it restores a few attributes and
-destroys the groups the test made: milliseconds) before it counts as hung and is replaced."""
 MIN_PG_TIMEOUT_S = 30.0
 """Floor of a generation's process-group timeout (a test's own timeout may be shorter: the
 parent stops its ranks at the test's timeout whatever the group's is)."""
@@ -284,9 +282,10 @@ class ProcessLauncher:
         parent reports that task, so this rarely waits). If one could not, ``gen`` is
         discarded with a warning that carries the rank's traceback."""
         failures = []
+        deadline = Deadline(RESET_TIMEOUT_S)
         for rank, conn in enumerate(gen.conns):
             try:
-                msg = conn.recv() if conn.poll(RESET_TIMEOUT_S) else None
+                msg = conn.recv() if conn.poll(deadline.remaining()) else None
             except (EOFError, OSError):
                 msg = None
             if not isinstance(msg, RankReset):

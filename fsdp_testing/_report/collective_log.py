@@ -59,7 +59,6 @@ class FlightRecorder:
         """The rank's :class:`fsdp_testing.faults.FaultPlan` while faults are injected."""
         self._written = 0
         """Entries written since the last reset; entry ``i`` lives in slot ``i % capacity``."""
-        self._slot_of: list[int] = []  # the slot of each of ``entries``
         self._mm: mmap.mmap | None = None
         if path is not None:
             size = _HEADER.size + capacity * _SLOT_BYTES
@@ -73,7 +72,6 @@ class FlightRecorder:
     def reset(self) -> None:
         """Forget the entries and sequence numbers (a new test starts)."""
         self.entries.clear()
-        self._slot_of.clear()
         self._seq.clear()
         self.faults = None
         self._written = 0
@@ -101,9 +99,10 @@ class FlightRecorder:
 
     def finish(self, entry: dict, state: str) -> None:
         entry["state"] = state
+        first = self._written - len(self.entries)  # the number of ``entries[0]``
         for i in range(len(self.entries) - 1, -1, -1):  # nearly always the newest
             if self.entries[i] is entry:
-                self._write_slot(self._slot_of[i], entry)
+                self._write_slot((first + i) % self.capacity, entry)
                 return
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -113,9 +112,8 @@ class FlightRecorder:
         slot = self._written % self.capacity
         self._written += 1
         self.entries.append(entry)
-        self._slot_of.append(slot)
         if len(self.entries) > self.capacity:
-            del self.entries[0], self._slot_of[0]
+            del self.entries[0]
         self._write_slot(slot, entry)
         if self._mm is not None:
             self._mm[: _HEADER.size] = _HEADER.pack(self._written, self.capacity)

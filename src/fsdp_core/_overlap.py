@@ -37,8 +37,8 @@ once it issues the collective with ``async_op=True`` and waits where the result 
 Every collective keeps its place in the order of a rank's collectives (what the recorder and
 the collective patches see, what the order check compares): a deferred backward prefetch is
 still issued before the reduce-scatter of the unit whose backward asked for it; only where the
-rank waits, and when between two collectives it computes, changes. Only gloo overlaps: thread mode's
-backends complete a collective inside the call and the fake backend moves nothing.
+rank waits, and when between two collectives it computes, changes. Only gloo overlaps: thread
+mode's backends complete a collective inside the call and the fake backend moves nothing.
 ``fsdp_core.debug.set_cpu_overlap`` turns it off, to measure it (``benchmarks/core_vs_fsdp2.py
 --overlap-cost``).
 """
