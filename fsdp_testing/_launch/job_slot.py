@@ -25,6 +25,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fsdp_testing import _protocol
 from fsdp_testing._launch.fork_server import describe_status
 from fsdp_testing._launch.job_messages import (
     POLL_S,
@@ -42,13 +43,7 @@ from fsdp_testing._launch.job_messages import (
     take,
 )
 from fsdp_testing._launch.torchrun import JobEnv, job_env
-from fsdp_testing._protocol import (
-    RESET_TIMEOUT_S,
-    GenerationSpec,
-    RankHello,
-    RankInitFailed,
-    RankReset,
-)
+from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._report import collective_log
 from fsdp_testing._report.hang_report import stack_sources
@@ -420,7 +415,7 @@ class Slot:
         """None once ``child`` says it reset itself after its last task; else why it did not
         (it is then ended). See [Note: warm pool isolation] in ``pool.py``."""
         assert child.conn is not None
-        deadline = time.monotonic() + RESET_TIMEOUT_S
+        deadline = time.monotonic() + _protocol.RESET_TIMEOUT_S
         while time.monotonic() < deadline:
             self._beat()
             if child.conn.poll(POLL_S):
@@ -435,7 +430,7 @@ class Slot:
                 why = reset.traceback if isinstance(reset, RankReset) else repr(reset)
                 return f"its rank process could not reset its state after the last test:\n{why}"
         self._kill(child)
-        return f"its rank process did not reset its state within {RESET_TIMEOUT_S:.0f} s"
+        return f"its rank process did not reset its state within {_protocol.RESET_TIMEOUT_S:.0f} s"
 
     def _dump(self, msg: DumpRank) -> None:
         key = f"dump/{msg.task_id}/{self._rank}"
