@@ -382,12 +382,6 @@ class ShardedParam:
         blocks = self._blocks(self._unsharded_padded.data)
         blocks.copy_(gathered.view(self.shard_world, *self.chunk_shape))
 
-    def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` (full shape) as a ``(world, shard_numel)`` block, zero padded along the
-        shard dim."""
-        grad = self._pad(grad, self.chunk_rows * self.shard_world - self.rows)
-        return self._blocks(grad.contiguous()).reshape(self.shard_world, self.shard_numel)
-
     def _pad(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
         """``tensor`` with ``rows`` zero rows appended along the shard dim."""
         if not rows:

@@ -24,7 +24,37 @@ from ._precision import UnitPrecision
 from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients, start_reduce_scatter
 from ._streams import CudaStreams
 
-__all__ = ["UnitGrads"]
+__all__ = ["UnitGrads", "write_grad_rows"]
+
+
+def write_grad_rows(
+    p: ShardedParam, grad: torch.Tensor | None, out: torch.Tensor, div: float
+) -> None:
+    """Lay ``grad`` (``p``'s full shape; None: zeros) out in ``out``, ``p``'s ``(world,
+    shard_numel)`` columns of a reduce buffer, zero padded along the shard dim and divided by
+    ``div``. Each element is written once: the buffer is not zero filled first (that fill,
+    faulting in a new buffer's pages, cost about 5% of a CPU step)."""
+    blocks, d, c = out.view(p.shard_world, *p.chunk_shape), p.shard_dim, p.chunk_rows
+    whole = min(p.rows // c, p.shard_world) if grad is not None and c else 0
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if div != 1 and src.dtype == dst.dtype:
+            torch.div(src, div, out=dst)  # the numbers of a copy, then ``div_``
+            return
+        dst.copy_(src)  # a cast first: the division in ``dst``'s dtype, as before
+        if div != 1:
+            dst.div_(div)
+
+    if grad is not None and whole:
+        src = grad.narrow(d, 0, whole * c)
+        rows = (*src.shape[:d], whole, c, *src.shape[d + 1 :])
+        put(blocks[:whole], src.reshape(rows).movedim(d, 0))
+    if whole < p.shard_world:
+        rest = p.rows - whole * c if grad is not None else 0
+        if rest:
+            put(blocks[whole].narrow(d, 0, rest), grad.narrow(d, whole * c, rest))  # type: ignore[union-attr]
+        blocks[whole].narrow(d, rest, c - rest).zero_()
+        blocks[whole + 1 :].zero_()
 
 
 class UnitGrads:
@@ -85,15 +115,13 @@ class UnitGrads:
         full = _collectives.new_buffer(
             self.reduce_scatter_comm, math.prod(shape), self.precision.reduce_dtype, self.device
         )
-        full = full.view(shape).zero_()
-        for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
-            if grad is not None:
-                full[:, offset : offset + p.shard_numel].copy_(p.padded_grad_rows(grad))
+        full = full.view(shape)
+        # Sum / factor instead of the average, or see [Note: gradient averaging].
         factor = self.gradient_divide_factor
-        if factor is not None:  # sum / factor instead of the average; out of place, as FSDP2
-            return full / factor if factor != 1 else full
-        if self.groups.world > 1:
-            full.div_(self.groups.world)  # See [Note: gradient averaging].
+        div = factor if factor is not None else self.groups.world
+        for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
+            write_grad_rows(p, grad, full[:, offset : offset + p.shard_numel], div)
+        full[:, self._grad_numel :].zero_()
         return full
 
     def _overlap_for_reduce(self) -> CpuOverlap | None:
