@@ -302,8 +302,9 @@ class JobLauncher:
             obs = self._collect(world, task_id, timeout, task.test_id)
         finally:
             self._store.delete_key(f"task/{task_id}")
-        trusted = not (obs.stragglers or obs.dead) and not any(
-            r.needs_restart for r in obs.results.values()
+        trusted = not (obs.stragglers or obs.dead) and not any(  # as in ``pool.py``
+            r.needs_restart or r.outcome in (Outcome.FAILED, Outcome.XFAILED)
+            for r in obs.results.values()
         )
         if reuse and trusted:
             self._warm[key] = world

@@ -9,8 +9,11 @@ run after the rank has sent its result, while the parent reports the test):
 RNG state, default dtype and device, grad mode, attributes of ``torch.distributed`` that the test
 patched, added or that our own flight recorder wraps, and extra process groups. A generation of
 ranks is thrown away and forked anew from the fork server when it cannot be trusted: a rank
-died, timed out or was still running when a peer failed (it may be stuck in a collective), the
-test destroyed the default group, or the pool is disabled (``--no-dist-pool``). Per-test state is
+died, timed out or was still running when a peer failed (it may be stuck in a collective), a
+rank's test failed or xfailed (it raised, maybe with a collective still in flight that the
+next test's first collective would pair with: the process group cannot be checked without
+waiting on it), the test destroyed the default group, or the pool is disabled
+(``--no-dist-pool``). Per-test state is
 reset on the rank by ``fsdp_testing/_rank/state_reset.py``. Each rank then says it reset
 itself (:class:`~fsdp_testing._protocol.RankReset`); the parent reads that before it sends the
 next task, and a rank that could not reset exits and is replaced by a new generation, with a
@@ -268,8 +271,12 @@ class ProcessLauncher:
         for conn in gen.conns:
             conn.send_bytes(payload)
         obs = self._collect(gen, timeout, offsets)
+        # A test that raised may have left a collective in flight on some ranks (issued with
+        # ``async_op=True``, never waited on): the next test's first collective would pair
+        # with it. See [Note: warm pool isolation].
         trusted = not (obs.stragglers or obs.dead) and not any(
-            r.needs_restart for r in obs.results.values()
+            r.needs_restart or r.outcome in (Outcome.FAILED, Outcome.XFAILED)
+            for r in obs.results.values()
         )
         if reuse and trusted:
             self._pools[key] = gen

@@ -225,6 +225,13 @@ def test_a_rank_that_cannot_reset_fails_the_next_test_by_name(torchrun_job: Job)
     assert torchrun_job.case("test_after_the_replacement") == ("passed", "")
 
 
+def test_a_failure_on_every_rank_leaves_the_next_test_new_ranks(torchrun_job: Job) -> None:
+    # Rank 0's failed test left an all-reduce in flight; the next test's would pair with it.
+    outcome, _ = torchrun_job.case("test_fails_with_a_collective_in_flight")
+    assert outcome == "failed"
+    assert torchrun_job.case("test_after_a_failure_on_every_rank") == ("passed", "")
+
+
 def _own_lines(output: str) -> list[str]:
     """Lines of a torchrun command's output that are not torchrun's own (its banner, its agent's
     logging and the failure summary it prints when its workers exit non-zero)."""
@@ -247,9 +254,9 @@ def _own_lines(output: str) -> list[str]:
 
 def test_one_report_on_the_first_node_and_one_line_on_the_other(torchrun_job: Job) -> None:
     first, other = (_own_lines(out) for out in torchrun_job.outputs)
-    assert len(torchrun_job.cases) == 14, "the JUnit XML holds every test"
+    assert len(torchrun_job.cases) == 16, "the JUnit XML holds every test"
     assert sum("short test summary info" in line for line in first) == 1
-    assert re.match(r"=+ 4 failed, 9 passed, 1 skipped in [\d.]+s =+$", first[-1]), first[-1]
+    assert re.match(r"=+ 5 failed, 10 passed, 1 skipped in [\d.]+s =+$", first[-1]), first[-1]
     assert len(other) == 1, other
     assert other[0].startswith("fsdp_testing: node 1 ("), other[0]
     assert "of this torchrun job; the report is on node 0 (" in other[0]

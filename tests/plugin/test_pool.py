@@ -57,6 +57,18 @@ def test_pool_is_rebuilt_after_a_failure_with_a_stuck_peer(pooled: tuple[Run, di
     assert pids["d"].isdisjoint(pids["c"])
 
 
+def test_a_test_that_fails_on_every_rank_leaves_the_next_one_new_ranks(
+    pooled: tuple[Run, dict],
+) -> None:
+    """Rank 0's failed test left an all-reduce in flight: on the same ranks the next test's
+    all-reduce would pair with it (rank 1 would sum the wrong values, rank 0 would hang)."""
+    run, pids = pooled
+    assert run.cases["test_o_fails_with_a_collective_in_flight"].outcome == "failed"
+    case = run.cases["test_p_after_a_failure_on_every_rank"]
+    assert case.outcome == "passed", case.text
+    assert pids["p"].isdisjoint(pids["o"])
+
+
 def test_pool_is_rebuilt_after_the_default_group_is_destroyed(pooled: tuple[Run, dict]) -> None:
     run, pids = pooled
     assert run.cases["test_f_after_destroy"].outcome == "passed", run.cases[

@@ -168,3 +168,19 @@ def test_n_after_a_broken_reset(rank):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2
+
+
+@pytest.mark.distributed(world_size=2)
+def test_o_fails_with_a_collective_in_flight(rank):
+    _note("o", rank)
+    if rank == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never waited on
+    raise AssertionError("every rank fails")
+
+
+@pytest.mark.distributed(world_size=2, timeout=20)
+def test_p_after_a_failure_on_every_rank(rank):
+    _note("p", rank)
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.item() == 3

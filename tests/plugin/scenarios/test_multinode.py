@@ -79,6 +79,20 @@ def test_after_the_replacement(rank):
     assert t.item() == 4
 
 
+@pytest.mark.distributed(world_size=4)
+def test_fails_with_a_collective_in_flight(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never waited on
+    raise AssertionError("every rank fails")
+
+
+@pytest.mark.distributed(world_size=4, timeout=30)
+def test_after_a_failure_on_every_rank(rank):
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.item() == 10
+
+
 @pytest.mark.distributed(world_size=8)
 def test_needs_eight(rank):
     pass
