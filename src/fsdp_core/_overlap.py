@@ -33,6 +33,19 @@ once it issues the collective with ``async_op=True`` and waits where the result 
   ``wait()`` on torch 2.13, so "finish what is already complete" cannot be asked.
 - On the CPU a unit copies its own parameters out before it prefetches the next unit, so the
   prefetch's buffer does not coexist with both copies of its own parameters.
+- Without a forward prefetch (the default of both doors) a unit's pre-forward still issues the
+  forward all-gather of the unit that follows it in the recorded forward order (from the
+  second step, inside the root's forward, under ``limit_all_gathers``), once its own
+  parameters are copied out: ``CpuOverlap.gather_ahead``. That unit is not unsharded early:
+  its ``unshard`` runs, and is seen, in its own pre-forward, which takes the all-gather over and
+  waits for it. The all-gathers are issued in the order they were (forward issues no other
+  collective of the engine's), each before the compute of the unit ahead of it; one all-gather
+  output lives through that compute, as a prefetch's does (and as FSDP2's next all-gather on
+  CUDA, issued while the current unit computes). An all-gather issued ahead for a unit that
+  does not run (the forward took another path) is finished at the end of the root's forward,
+  so the unit's next forward gathers its shard anew. Not while the order is validated
+  (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, whose checks are collectives of their own). On the
+  benchmark model this removed most of the forward's wait for all-gathers (docs/benchmarks.md).
 
 Every collective keeps its place in the order of a rank's collectives (what the recorder and
 the collective patches see, what the order check compares): a deferred backward prefetch is
@@ -97,6 +110,7 @@ class CpuOverlap:
         self._reduces: deque[tuple[ReduceScatter, torch.Tensor, Callable[[torch.Tensor], None]]]
         self._reduces = deque()
         self._gathers: list[Callable[[], None]] = []  # deferred backward prefetches, in order
+        self._ahead: list[Any] = []  # units whose forward all-gather was issued ahead
 
     @property
     def reducing(self) -> bool:
@@ -127,9 +141,23 @@ class CpuOverlap:
         shard (1D, ``scatter.numel``)."""
         self._reduces.append((scatter, reduce_input, then))
 
+    def gather_ahead(self, unit: Any) -> None:
+        """Issue ``unit``'s (an ``FSDPUnit``'s) forward all-gather ahead of its pre-forward."""
+        if unit.gather_ahead():
+            self._ahead.append(unit)
+
+    def drop_ahead(self) -> None:
+        """Finish the all-gathers issued ahead that no unshard took over (the end of forward:
+        their units did not run, so the parameters may change before they do)."""
+        ahead, self._ahead = self._ahead, []
+        for unit in ahead:
+            unit.drop_gather_ahead()
+
     def flush(self) -> None:
-        """Finish every reduction in flight, oldest first (the end of backward). A deferred
-        all-gather is left to its unit's wait or reshard."""
+        """Finish every reduction in flight, oldest first (the end of backward, or after a
+        failed step), and any all-gather issued ahead. A deferred all-gather is left to its
+        unit's wait or reshard."""
+        self.drop_ahead()
         self._gathers.clear()
         while self._reduces:
             self._finish_oldest()

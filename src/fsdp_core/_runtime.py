@@ -55,14 +55,10 @@ __all__ = [
 WRAPPED_MODULE_NAME = "_fsdp_wrapped_module"
 
 # limit_all_gathers: no prefetch while this many non-root units are gathered (not replicated).
-_MAX_UNSHARDED_FOR_PREFETCH = 2
+_MAX_UNSHARDED = 2
 
 
-_BACKWARD_STATES = (
-    TrainingState.IDLE,
-    TrainingState.PRE_BACKWARD,
-    TrainingState.POST_BACKWARD,
-)
+_BACKWARD_STATES = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -270,8 +266,9 @@ class FSDPState:
         if self.forward_prefetch_targets is not None:
             for target in self.forward_prefetch_targets:
                 self._prefetch(target, "forward_prefetch", explicit=True)
-        elif self.config.forward_prefetch:
-            self._prefetch(order.next_to_forward(self), "forward_prefetch")
+        elif self.config.forward_prefetch or (unit is not None and unit.cpu_overlap is not None):
+            ahead = not self.config.forward_prefetch  # see [Note: overlap on the CPU]
+            self._prefetch(order.next_to_forward(self), "forward_prefetch", ahead=ahead)
         if unit is not None:
             unit.wait_for_unshard()
         return self.cast_forward_inputs(args, kwargs)
@@ -320,6 +317,7 @@ class FSDPState:
             self.hook_outputs(output)
         self.training_state = TrainingState.IDLE
         if self.is_root:
+            self.cpu_overlap.drop_ahead()
             order.finish_forward()
             if not grad_enabled:
                 order.finish_iteration()
@@ -470,12 +468,16 @@ class FSDPState:
         unit.unshard(reason)
 
     def _prefetch(
-        self, target: FSDPState | None, reason: events.UnshardReason, *, explicit: bool = False
+        self,
+        target: FSDPState | None,
+        reason: events.UnshardReason,
+        *,
+        explicit: bool = False,
+        ahead: bool = False,
     ) -> None:
-        """Unshard ``target`` early; see ``limit_all_gathers`` in the wrapper's docstring.
-
-        An ``explicit`` target (set by the user) is not limited by ``limit_all_gathers``.
-        """
+        """Unshard ``target`` early (``ahead``: only issue its forward all-gather, see [Note:
+        overlap on the CPU]); see ``limit_all_gathers`` in the wrapper's docstring. An
+        ``explicit`` target (set by the user) is not limited by ``limit_all_gathers``."""
         if target is None or target.unit is None or target.unit.is_unsharded:
             return
         if reason == "backward_prefetch" and (
@@ -492,17 +494,14 @@ class FSDPState:
             root = self._root()
             # A replicated unit (shard world 1) holds its full parameters without gathering
             # them: nothing to limit, so it does not count.
-            unsharded = sum(
-                1
-                for s in root.all_states
-                if s is not root
-                and s.unit is not None
-                and s.unit.shard_world > 1
-                and s.unit.is_unsharded
-            )
-            if unsharded >= _MAX_UNSHARDED_FOR_PREFETCH:
+            units = [s.unit for s in root.all_states if s is not root and s.unit is not None]
+            if sum(u.shard_world > 1 and u.is_unsharded for u in units) >= _MAX_UNSHARDED:
                 return
-        target._unshard(reason)  # waited on in the target's pre-hook
+        if not ahead:
+            target._unshard(reason)  # waited on in the target's pre-hook
+        elif target.unit.cpu_overlap is not None and not self._order().validating:
+            if self._root().training_state is TrainingState.FORWARD:  # not a standalone call
+                target.unit.cpu_overlap.gather_ahead(target.unit)
 
     def _order(self) -> ExecOrder[FSDPState]:
         if self.exec_order is None:

@@ -197,7 +197,9 @@ class FSDPUnit(UnitGrads):
             if streams is None:
                 overlap = self._overlaps(async_op or reason in _PREFETCHES)
                 cpu = self.cpu_overlap
-                if overlap and reason == "backward_prefetch" and cpu is not None and cpu.reducing:
+                if self._gathered is not None:  # issued ahead: see ``gather_ahead``
+                    pass
+                elif overlap and reason == "backward_prefetch" and cpu is not None and cpu.reducing:
                     self._deferred_op = op  # issued later: see [Note: overlap on the CPU]
                     cpu.defer_gather(self._issue_deferred_gather)
                 else:
@@ -239,6 +241,27 @@ class FSDPUnit(UnitGrads):
             torch.cuda.current_stream(self.device).wait_event(self._gathered_event)
         self._copy_out()
         streams.record_copy_out()
+
+    def gather_ahead(self) -> bool:
+        """Issue this unit's forward all-gather now, before its pre-forward asks for it; its
+        ``unshard`` takes it over (or ``drop_gather_ahead`` finishes it). Whether it was
+        issued. See [Note: overlap on the CPU] in ``_overlap``."""
+        if self.is_unsharded or self._gathered is not None or self._aliased:
+            return False
+        if not self._overlaps(True) or self.streams is not None:
+            return False
+        if self.post_forward is not None and self.post_forward.blocks is not None:
+            return False
+        self._gathered = self._gather(
+            self.precision.param_dtype, _GATHER_OPS["forward"], wait=False
+        )
+        return True
+
+    def drop_gather_ahead(self) -> None:
+        """Finish and forget an all-gather issued ahead that no unshard took over."""
+        if not self.is_unsharded and self._pending_gather is not None:
+            self._pending_gather.finish()
+            self._pending_gather = self._gathered = None
 
     def _issue_deferred_gather(self) -> None:
         """Issue the all-gather of a deferred backward prefetch, if one is waiting."""

@@ -225,6 +225,97 @@ def test_prefetches_and_reductions_are_waited_on_where_they_are_needed(rank, pro
         ], log
 
 
+def _default(door: str, group: dist.ProcessGroup, model: nn.Module | None = None) -> nn.Module:
+    """``model`` (default ``Chain``) with each layer a unit, the defaults otherwise: no forward
+    prefetch."""
+    model = model or Chain()
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = FSDP(layer, group) if door == "wrapper" else fully_shard(layer)
+    return FSDP(model, group) if door == "wrapper" else fully_shard(model)
+
+
+@pytest.mark.distributed(world_size=[2, 3])
+@pytest.mark.parametrize("door", sorted(_DOORS))
+def test_without_forward_prefetch_the_next_all_gather_is_issued_ahead(rank, process_group, door):
+    """Without forward prefetch a unit's pre-forward still issues the next unit's forward
+    all-gather (from the second step, in the recorded order) before the unit computes: the
+    next unit is not unsharded early (its unshard, and what recorders see of it, stays in its
+    own pre-forward, which waits for the all-gather). Without overlap each waits where issued."""
+    model = _default(door, process_group)
+    inner = model.module if isinstance(model, FSDP) else model
+    layers = {f"layers.{i}": getattr(m, "module", m) for i, m in enumerate(inner.layers)}
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()  # the first step records the forward order
+    for overlap in (True, False):
+        set_cpu_overlap(model, enabled=overlap)
+        seen: list[events.Event] = []
+        handle = events.subscribe(seen.append)
+        with _timeline(layers) as log:
+            model(x).sum().backward()
+        handle.remove()
+        forward = log[: log.index("compute layers.2") + 1]
+        if not overlap:
+            assert all(e.startswith(("sync", "compute")) for e in forward), forward
+            continue
+        assert forward == [
+            "sync AG <root>",
+            "issue AG layers.0",  # the root's pre-forward issues l0's all-gather, then ...
+            "wait AG layers.0",  # ... l0's pre-forward unshards l0, waits for it, then ...
+            "issue AG layers.1",  # ... issues l1's, which runs while l0 computes
+            "compute layers.0",
+            "wait AG layers.1",
+            "issue AG layers.2",
+            "compute layers.1",
+            "wait AG layers.2",
+            "compute layers.2",
+        ], forward
+        reasons = [e.reason for e in seen if isinstance(e, events.Unshard)]
+        assert "forward_prefetch" not in reasons, reasons
+
+
+class Skipping(Chain):
+    """``Chain`` whose forward skips its last layer when ``skip`` is set."""
+
+    skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (self.skip and i == 2):
+                x = layer(x)
+        return self.head(torch.relu(x))
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("door", sorted(_DOORS))
+def test_an_all_gather_issued_ahead_for_a_unit_that_does_not_run_is_finished(
+    rank, process_group, door
+):
+    """A forward that skips the unit the recorded order says comes next: its all-gather,
+    issued ahead, is finished at the end of the forward and never used, so the unit's next
+    forward (after an optimizer step changed its shard) gathers the new values. Parameters
+    stay bit-identical to training without overlap."""
+    models = [_default(door, process_group, Skipping()) for _ in range(2)]
+    set_cpu_overlap(models[1], enabled=False)
+    for model in models:
+        inner = model.module if isinstance(model, FSDP) else model
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, skip in enumerate((False, True, False, False)):
+            inner.skip = skip
+            x = torch.randn(4, 10, generator=torch.Generator().manual_seed(10 * rank + step))
+            model(x).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            assert all(s.unit is None or s.unit._gathered is None for s in _states(model))
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(_local(a), _local(b))
+
+
+def _states(model: nn.Module) -> list[object]:
+    from fsdp_core._runtime import states_in
+
+    return states_in(model)
+
+
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("door", sorted(_DOORS))
 def test_a_backward_prefetch_waits_for_the_reduction_in_flight(rank, process_group, door):
