@@ -82,6 +82,7 @@ class ExecOrder(Generic[FSDPState]):
         self.graph_order: list[nn.Module] = []
         self._graph_index: dict[int, int] = {}  # id(state) -> its position in graph order
         self._forward_pos = 0
+        self._started: set[int] = set()  # ids of the states whose forward started in this one
         self._warned = False
         # Codes and comparison of the in-payload order tags. See [Note: order check].
         self.checker = OrderChecker([s.fqn for s in states])
@@ -94,6 +95,7 @@ class ExecOrder(Generic[FSDPState]):
             return
         pos = self._forward_pos
         self._forward_pos += 1
+        self._started.add(id(state))
         expected = self.pre_forward_order[pos] if pos < len(self.pre_forward_order) else None
         if expected is not state and not self._warned:
             self._warned = True
@@ -112,7 +114,14 @@ class ExecOrder(Generic[FSDPState]):
     def start_forward(self) -> None:
         """Called when the root's forward starts: a new iteration."""
         self._forward_pos = 0
+        self._started.clear()
         self.checker.begin_iteration()
+
+    def may_gather_ahead(self, state: FSDPState) -> bool:
+        """Whether ``state``'s forward all-gather may be issued ahead of its pre-forward (see
+        [Note: overlap on the CPU] in ``_overlap``): the order is known, not being validated
+        (whose checks are collectives of their own), and its forward has not run in this one."""
+        return not (self.recording or self.validating) and id(state) not in self._started
 
     def finish_forward(self) -> None:
         """Called when the root's forward ends; fixes the graph order after the first one."""

@@ -34,6 +34,12 @@ the collective (see [Note: order validation] in ``_exec_order``).
 - So every rank of the group sees the same codes and decides the same way: on a mismatch all
   of them raise at the same collective, with the same message naming each rank's unit, op and
   iteration, and none goes on into a next collective that could hang.
+- On the CPU over gloo a unit's forward all-gather is issued ahead, by the unit before it in the
+  recorded forward order (see [Note: overlap on the CPU] in ``_overlap``). A rank whose
+  forward runs units out of that order so issues some of its all-gathers in the recorded order
+  all the same: the check fires at the first collective that pairs different units, which can
+  come after the first unit run out of order (two swapped units still gather their own shards
+  in forward; their backward collectives are what pair wrongly).
 - Results are unchanged: the tags sit after the data, are written into free slots (the unit's
   shard buffer has two spare elements, so an uncast, non-offloaded all-gather still sends the
   shard without a copy) and are sliced off before the copy-out and before the gradients are

@@ -499,7 +499,7 @@ class FSDPState:
                 return
         if not ahead:
             target._unshard(reason)  # waited on in the target's pre-hook
-        elif target.unit.cpu_overlap is not None and not self._order().validating:
+        elif target.unit.cpu_overlap is not None and self._order().may_gather_ahead(target):
             if self._root().training_state is TrainingState.FORWARD:  # not a standalone call
                 target.unit.cpu_overlap.gather_ahead(target.unit)
 

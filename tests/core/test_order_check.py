@@ -25,7 +25,7 @@ from fsdp_core._order_check import (
     write_gather_tag,
     write_reduce_tag,
 )
-from fsdp_core.debug import set_order_check
+from fsdp_core.debug import set_cpu_overlap, set_order_check
 from fsdp_core.wrap import ModuleWrapPolicy
 from fsdp_testing.collectives import family_of
 
@@ -155,18 +155,38 @@ def test_swapped_units_in_iteration_three_fail_there_on_both_ranks(
     """Rank 1 runs ``b`` before ``a`` in iteration 3 only: the units have the same size, so
     without a check their all-gathers would pair up and exchange each other's shards. Both
     ranks raise in iteration 3, at the first swapped all-gather, with the same message naming
-    both units, the op and the iteration; iterations 1 and 2 train normally."""
+    both units, the op and the iteration; iterations 1 and 2 train normally. (Without the CPU
+    overlap, whose forward all-gathers issued ahead follow the recorded order: see the next
+    test. On CUDA, and in thread mode, every all-gather is issued at its unit's unshard.)"""
     model = _wrap_two_units(
         process_group,
         mixed_precision=POLICIES[policy],
         cpu_offload=CPUOffload(offload_params=offload),
     )
+    set_cpu_overlap(model, enabled=False)
     raised_at, message = _train_until_error(model, _forward_backward, swap_rank=1, rank=rank)
     assert raised_at == SWAP_AT, (raised_at, message)
     assert message.startswith(f"[rank {rank}] FSDP ranks ran units in different orders in "
                               f"iteration {SWAP_AT}: ")  # fmt: skip
     assert "rank 0 all-gathered 'a' for forward" in message, message
     assert "rank 1 all-gathered 'b' for forward" in message, message
+    messages = _messages_on_every_rank(message, process_group)
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.distributed(world_size=2)
+def test_swapped_units_gather_their_own_shards_ahead_and_fail_at_the_reduction(rank, process_group):
+    """With the CPU overlap (the default over gloo) the root's pre-forward issues ``a``'s
+    all-gather ahead, in the recorded order, on both ranks; rank 1's ``b`` then gathers its own,
+    which pairs with the one rank 0's ``a`` issues ahead for ``b``: each unit gets its own
+    shards and the forward is right. The swap pairs different units at the first reduction of
+    that iteration's backward, where both ranks raise with the same message."""
+    model = _wrap_two_units(process_group)
+    raised_at, message = _train_until_error(model, _forward_backward, swap_rank=1, rank=rank)
+    assert raised_at == SWAP_AT, (raised_at, message)
+    assert message.startswith(f"[rank {rank}] FSDP ranks ran units in different orders in "
+                              f"iteration {SWAP_AT}: ")  # fmt: skip
+    assert "rank 0 reduced the gradients of 'b'; rank 1 reduced the gradients of 'a'" in message
     messages = _messages_on_every_rank(message, process_group)
     assert messages[0] == messages[1]
 
@@ -231,7 +251,8 @@ def test_divergence_inside_a_subgroup_names_global_ranks(rank, process_group):
         assert (raised_at, message) == (0, "")
         return
     assert raised_at == SWAP_AT, message
-    assert "rank 1 all-gathered 'a' for forward; rank 3 all-gathered 'b' for forward" in message
+    # Two swapped units gather their own shards ahead in forward (see the test above).
+    assert "rank 1 reduced the gradients of 'b'; rank 3 reduced the gradients of 'a'" in message
 
 
 @pytest.mark.distributed(world_size=2)
