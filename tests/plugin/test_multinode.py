@@ -244,12 +244,24 @@ def _own_lines(output: str) -> list[str]:
             in_c10_warning = False
             if not _TORCH_LOG.match(line):
                 lines.append(line)
-    if "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in output:
-        # torchrun's own traceback is the last one (a test's failure report may hold others).
+    if "Traceback (most recent call last):" in lines:
+        # torchrun's own traceback is the last one (a test's failure report may hold others):
+        # its failure summary (ChildFailedError), or on another node its agent's network error
+        # when node 0's agent, which hosts the rendezvous store, ended first (DistNetworkError:
+        # torchrun's own teardown on one host, after the report; see docs/multinode.md).
         start = len(lines) - 1 - lines[::-1].index("Traceback (most recent call last):")
-        assert lines[start + 1].endswith('/torchrun", line 8, in <module>'), lines[start:]
-        lines = lines[:start]
+        ours = not lines[start + 1].endswith('/torchrun", line 8, in <module>')
+        if "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in output:
+            assert not ours, lines[start:]
+        if not ours and any(line.startswith(_TORCHRUN_ENDS) for line in lines[start:]):
+            lines = lines[:start]
     return lines
+
+
+_TORCHRUN_ENDS = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+    "torch.distributed.DistNetworkError",
+)
 
 
 def test_one_report_on_the_first_node_and_one_line_on_the_other(torchrun_job: Job) -> None:
