@@ -20,17 +20,20 @@ once it issues the collective with ``async_op=True`` and waits where the result 
   of backward, in issue order. A unit with a replicate group reduces synchronously: its
   all-reduce would otherwise move after the next unit's collectives. After a failed step
   ``reset_iter_state`` finishes the reductions in flight, so the gradients left are those left
-  without overlap. The one unit's reduce input held meanwhile lives through the next unit's
-  backward compute. So that the overlap costs no memory, a backward prefetch asked for while a
+  without overlap. The engine keeps no reference to the input of a reduction in flight: the
+  process group holds what it still reads (gloo's reduce-scatter copies its input when it is
+  issued, so the engine's copy is freed there). The unsharded gradients are let go once they
+  are copied into the input, before the collective is issued, so that they never coexist with
+  gloo's copy. So that the overlap costs no memory, a backward prefetch asked for while a
   reduction is in flight takes its all-gather's place there instead: the unit is unsharded as
   asked (its ``unshard`` runs, and is seen, where it always was), but the all-gather is issued
   when the next reduction makes room, just before the one in flight is waited on, or at the
-  unit's own ``wait_for_unshard`` or reshard if that comes first. A unit's backward then holds
-  its parameters, its gradients and one unit's reduce input, as FSDP2's holds its parameters,
-  its gradients and the prefetched unit's all-gather output (on the benchmark model the peak
-  tensor memory was 3.5% over FSDP2's with the prefetch issued at its unshard, 0.7% with it
-  deferred; docs/benchmarks.md). gloo's ``Work.is_completed()`` stays False until
-  ``wait()`` on torch 2.13, so "finish what is already complete" cannot be asked.
+  unit's own ``wait_for_unshard`` or reshard if that comes first. On the benchmark model the
+  peak tensor memory was 3.5% over FSDP2's with the prefetch issued at its unshard, 0.7% with
+  it deferred, and is about 1% under FSDP2's with the gradients and the input let go early
+  (docs/benchmarks.md; ``tests/core/test_reduce_memory.py``). gloo's ``Work.is_completed()``
+  stays False until ``wait()`` on torch 2.13, so "finish what is already complete" cannot be
+  asked.
 - On the CPU a unit copies its own parameters out before it prefetches the next unit, so the
   prefetch's buffer does not coexist with both copies of its own parameters.
 - Without a forward prefetch (the default of both doors) a unit's pre-forward still issues the
@@ -102,13 +105,11 @@ class PendingGather:
 
 class CpuOverlap:
     """One root's reduce-scatters in flight on the CPU (shared by its units, as ``CudaStreams``
-    is on CUDA), each with the reduce input the backend reads and what runs once it is
-    complete."""
+    is on CUDA), each with what runs once it is complete."""
 
     def __init__(self) -> None:
         self.max_pending_reduces = 1
-        self._reduces: deque[tuple[ReduceScatter, torch.Tensor, Callable[[torch.Tensor], None]]]
-        self._reduces = deque()
+        self._reduces: deque[tuple[ReduceScatter, Callable[[torch.Tensor], None]]] = deque()
         self._gathers: list[Callable[[], None]] = []  # deferred backward prefetches, in order
         self._ahead: list[Any] = []  # units whose forward all-gather was issued ahead
 
@@ -131,15 +132,10 @@ class CpuOverlap:
         while len(self._reduces) >= self.max_pending_reduces:
             self._finish_oldest()
 
-    def defer(
-        self,
-        scatter: ReduceScatter,
-        reduce_input: torch.Tensor,
-        then: Callable[[torch.Tensor], None],
-    ) -> None:
-        """Keep ``reduce_input`` until ``scatter`` completes; then pass ``then`` the reduced
-        shard (1D, ``scatter.numel``)."""
-        self._reduces.append((scatter, reduce_input, then))
+    def defer(self, scatter: ReduceScatter, then: Callable[[torch.Tensor], None]) -> None:
+        """Once ``scatter`` completes, pass ``then`` the reduced shard (1D, ``scatter.numel``).
+        The reduce input is not kept: the process group holds what it still reads."""
+        self._reduces.append((scatter, then))
 
     def gather_ahead(self, unit: Any) -> None:
         """Issue ``unit``'s (an ``FSDPUnit``'s) forward all-gather ahead of its pre-forward."""
@@ -163,5 +159,5 @@ class CpuOverlap:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        scatter, _, then = self._reduces.popleft()
+        scatter, then = self._reduces.popleft()
         then(scatter.finish()[: scatter.numel])

@@ -348,8 +348,9 @@ class FSDPUnit(UnitGrads):
         overlap = self._overlap_for_reduce() if streams is None else None
         if overlap is not None:  # the reduction in flight finishes before this one's buffers
             overlap.make_room()  # are made: at most one unit's extra (see ``_overlap``)
-        reduce_input = self._reduce_input(grads)
         got = [g is not None or not self.skip_params_without_grads for g in grads]
+        reduce_input = self._reduce_input(grads)
+        del grads  # copied in: freed before the collective allocates its own buffers
         if overlap is not None:
             self._reduce_later(overlap, reduce_input, got)
             return

@@ -144,7 +144,7 @@ class UnitGrads:
         scatter = start_reduce_scatter(
             reduce_input, numel, groups=self.groups, tags=tags, unit=self.name, async_op=True
         )
-        overlap.defer(scatter, reduce_input, lambda reduced: self._reduced(reduced, got))
+        overlap.defer(scatter, lambda reduced: self._reduced(reduced, got))
 
     def _reduced(self, reduced: torch.Tensor, got: list[bool]) -> None:
         """The all-reduce hook, then the gradients' add; for a reduction finished late."""
