@@ -183,6 +183,9 @@ _NO_ACCELERATOR_ERRORS = (
     "FSDP needs a non-CPU accelerator device",
     # DDP(device_ids=[rank]) on a CPU module: the body assumes one accelerator per rank.
     "device_ids and output_device arguments only work with single-device/multiple-device GPU",
+    # torch.device(device_type, torch.get_device_module(device_type).current_device()): on the
+    # CPU, torch.cpu.current_device() returns the string "cpu", not an index.
+    "device(): argument 'index' (position 2) must be int, not str",
 )
 
 

@@ -72,3 +72,15 @@ def test_fsdp1_offload_refusal_is_read_as_needing_an_accelerator() -> None:
     reason = _needs_accelerator(info.value)
     assert reason is not None and "Cannot access accelerator device" in reason
     assert "torch_fsdp2" in str(info.value)  # the fix is still named
+
+
+def test_an_accelerator_index_built_from_the_cpu_module_reads_as_needing_an_accelerator() -> None:
+    """torch's GPU-gated bodies build ``torch.device(type, module.current_device())``; on the CPU
+    ``torch.cpu.current_device()`` is the string "cpu", so the body fails for want of an
+    accelerator, not of the engine."""
+    device_type = torch.device("cpu")
+    with pytest.raises(TypeError) as info:
+        torch.device(device_type.type, torch.get_device_module(device_type).current_device())
+    reason = _needs_accelerator(info.value)
+    assert reason is not None and reason.startswith("TypeError: device(): argument 'index'")
+    assert _needs_accelerator(TypeError("device(): argument 'type' must be str")) is None
