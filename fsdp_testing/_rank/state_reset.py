@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import types
+from collections.abc import Callable
 
 __all__ = ["RankState"]
 
@@ -38,10 +39,21 @@ class RankState:
 
     def restore(self) -> None:
         """Restore the captured state."""
-        import torch
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
+        for _, step in self.steps():
+            step()
 
+    def steps(self) -> list[tuple[str, Callable[[], None]]]:
+        """What :meth:`restore` runs, in order, each with its name
+        (``benchmarks/rank_resets.py`` times them one by one)."""
+        return [
+            ("torch.distributed attributes", self._restore_attributes),
+            ("process groups the test made", self._destroy_new_groups),
+            ("DTensor sharding caches", _forget_dtensor_meshes),
+            ("torch and Python RNG", self._restore_rng),
+            ("default dtype, grad mode and device", self._restore_defaults),
+        ]
+
+    def _restore_attributes(self) -> None:
         saved = zip(self._modules, self._attrs, self._snapshots, strict=True)
         for module, attrs, snapshot in saved:
             current = vars(module)
@@ -61,14 +73,26 @@ class RankState:
                 if current.get(key, _MISSING) is not value:
                     setattr(module, key, value)
             snapshot[:] = _snapshot(current)  # e.g. a submodule imported during the test
+
+    def _destroy_new_groups(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
         for pg in [pg for pg in list(c10d._world.pg_map) if pg not in self._groups]:
             try:
                 dist.destroy_process_group(pg)
             except Exception:  # a group the test already broke: drop it all the same
                 c10d._world.pg_map.pop(pg, None)
-        _forget_dtensor_meshes()
+
+    def _restore_rng(self) -> None:
+        import torch
+
         torch.set_rng_state(self._rng)
         random.setstate(self._py_rng)
+
+    def _restore_defaults(self) -> None:
+        import torch
+
         torch.set_default_dtype(self._dtype)
         torch.set_grad_enabled(True)
         if hasattr(torch, "set_default_device"):

@@ -105,3 +105,22 @@ def test_harness_overhead_prints_its_table_and_draws_its_png(tmp_path, capsys):
     png = tmp_path / "overhead.png"
     harness_overhead._write_png(str(png), rows)
     assert_drawn_png(png, width=1000, height=450)
+
+
+def test_rank_resets_times_each_reset_that_rank_state_restore_runs():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rank_resets.py"), "--repeat", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from fsdp_testing._rank.state_reset import RankState
+
+    names = [name for name, _ in RankState().steps()]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["reset", "median", "us"]
+    for name in ["flight recorder (before the task)", *map("RankState: {}".format, names)]:
+        row = next(x for x in lines if x.startswith(name))
+        assert float(row.removeprefix(name).strip()) >= 0, row
+    assert any(x.startswith("RankState.restore, all of it") for x in lines)
