@@ -143,6 +143,7 @@ class FSDPState:
         # ``fsdp_core.debug.set_order_check``).
         self.tag_collectives = True
         self.unshard_in_backward = True  # False: backward needs no parameters (embeddings)
+        self.unshard_async_op = False  # FSDP2's ``_set_unshard_async_op``
         # Root only (FSDP2's iteration controls): whether the coming backward ends the step,
         # and a CUDA event the next forward's all-gathers wait on instead of the stream.
         self.is_last_backward = True
@@ -465,7 +466,7 @@ class FSDPState:
         if unit is None or unit.is_unsharded:
             return
         self._order().validate(self, "unshard")
-        unit.unshard(reason)
+        unit.unshard(reason, async_op=self.unshard_async_op)
 
     def _prefetch(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -440,3 +441,36 @@ def test_set_cpu_overlap_refuses_a_non_bool_and_a_call_inside_a_step(rank, proce
     model(torch.randn(4, 10)).sum().backward()
     assert len(errors) == 1 and "fsdp_core.debug.set_cpu_overlap: FSDP instances" in errors[0]
     assert "call it between training steps" in errors[0]
+
+
+@pytest.mark.distributed(world_size=2)
+def test_set_unshard_async_op_issues_every_unshard_asynchronously_with_the_same_numbers(
+    rank, process_group
+):
+    """FSDP2's private ``_set_unshard_async_op(True)`` on the root reaches every module below
+    it: their pre-forward and pre-backward all-gathers are issued with ``async_op=True`` (the
+    root's own first all-gather is synchronous without it), and training gives the same
+    parameters bit for bit."""
+    results = {}
+    for flag in (False, True):
+        model = Chain()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if flag:
+            model._set_unshard_async_op(True)
+        calls: list[bool] = []
+        name = next(n for n in _GATHERS if hasattr(dist, n))
+        gather = getattr(dist, name)
+
+        def recording(*args, _gather=gather, _calls=calls, **kwargs):
+            _calls.append(bool(kwargs.get("async_op", False)))
+            return _gather(*args, **kwargs)
+
+        with mock.patch.object(dist, name, recording):
+            _train(model, rank, steps=2)
+        results[flag] = [_local(p).detach().clone() for p in model.parameters()]
+        assert calls, "no all-gather was recorded"
+        assert all(calls) if flag else not all(calls), (flag, calls)
+    for without, with_flag in zip(results[False], results[True], strict=True):
+        assert torch.equal(without, with_flag)

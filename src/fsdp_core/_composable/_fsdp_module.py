@@ -326,6 +326,21 @@ class FSDPModule:
         """
         self._get_fsdp_state().unshard_in_backward = bool(unshard_in_backward)
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Whether the pre-forward and pre-backward all-gathers of this module and every
+        ``FSDPModule`` below it are issued with ``async_op=True`` (default ``False``), as
+        FSDP2's private method of this name. Over gloo the all-gather then runs on the process
+        group's threads until the unit waits for it, just before its compute; the numbers are
+        the same. On CUDA the all-gather stays on the all-gather stream (in FSDP2 it moves to
+        the current stream, which changes where its output is allocated, not what it holds);
+        with ``set_cpu_overlap(model, enabled=False)`` and in thread mode it is synchronous.
+
+        Args:
+            async_op: whether to issue them asynchronously.
+        """
+        for state in self._states(recurse=True):
+            state.unshard_async_op = bool(async_op)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward ends the step (default ``True``). With ``False``
         (micro-batches) the end of that backward does not wait for its gradient reductions on
