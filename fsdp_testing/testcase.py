@@ -186,6 +186,9 @@ _NO_ACCELERATOR_ERRORS = (
     # torch.device(device_type, torch.get_device_module(device_type).current_device()): on the
     # CPU, torch.cpu.current_device() returns the string "cpu", not an index.
     "device(): argument 'index' (position 2) must be int, not str",
+    # FSDP2's FSDPParam built for torch.device("cpu", i), as for torch.device("cuda", i): CPU
+    # tensors are never on an indexed device.
+    "Expects the parameter to already be moved to device cpu:",
 )
 
 

@@ -84,3 +84,25 @@ def test_an_accelerator_index_built_from_the_cpu_module_reads_as_needing_an_acce
     reason = _needs_accelerator(info.value)
     assert reason is not None and reason.startswith("TypeError: device(): argument 'index'")
     assert _needs_accelerator(TypeError("device(): argument 'type' must be str")) is None
+
+
+@pytest.mark.distributed(world_size=1)
+def test_fsdp2_params_asked_for_on_an_indexed_cpu_device_read_as_needing_an_accelerator() -> None:
+    """torch's GPU-gated collective tests build FSDP2's ``FSDPParamGroup`` for
+    ``torch.device(device_type, 0)``; on the CPU that is ``cpu:0``, which no CPU tensor is on."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _init_default_fully_shard_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
+        FSDPMeshInfo,
+        FSDPParamGroup,
+    )
+
+    module = nn.ParameterList([nn.Parameter(torch.randn(4, device=torch.device("cpu", 0)))])
+    mesh_info = FSDPMeshInfo(_init_default_fully_shard_mesh(), shard_mesh_dim=0)
+    with pytest.raises(AssertionError) as info:
+        FSDPParamGroup(
+            list(module.parameters()), (module,), mesh_info, None, torch.device("cpu", 0),
+            None, MixedPrecisionPolicy(), OffloadPolicy(),
+        )  # fmt: skip
+    reason = _needs_accelerator(info.value)
+    assert reason is not None and "moved to device cpu:0 but got cpu" in reason
