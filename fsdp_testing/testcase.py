@@ -26,6 +26,7 @@ import unittest
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from fsdp_testing._compat.accelerator_errors import needs_accelerator as _needs_accelerator
 from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
@@ -168,41 +169,6 @@ class _LocalMethodTask:
         finally:
             _on_rank.reset(token)
         case._run_method_on_rank(ctx, self.method, self.file_name)
-
-
-# Messages of the errors torch raises when a test body asks for CUDA on a machine without it.
-_NO_ACCELERATOR_ERRORS = (
-    "Torch not compiled with CUDA enabled",
-    "Found no NVIDIA driver",
-    "No CUDA GPUs are available",
-    "no CUDA-capable device",
-    "Cannot access accelerator device when none is available",
-    "Tried to instantiate dummy base class",
-    "Distributed package doesn't have NCCL built in",
-    "module 'torch.cpu' has no attribute",
-    "FSDP needs a non-CPU accelerator device",
-    # DDP(device_ids=[rank]) on a CPU module: the body assumes one accelerator per rank.
-    "device_ids and output_device arguments only work with single-device/multiple-device GPU",
-    # torch.device(device_type, torch.get_device_module(device_type).current_device()): on the
-    # CPU, torch.cpu.current_device() returns the string "cpu", not an index.
-    "device(): argument 'index' (position 2) must be int, not str",
-    # FSDP2's FSDPParam built for torch.device("cpu", i), as for torch.device("cuda", i): CPU
-    # tensors are never on an indexed device.
-    "Expects the parameter to already be moved to device cpu:",
-)
-
-
-def _needs_accelerator(exc: BaseException) -> str | None:
-    """The first line of the no-accelerator error in ``exc``'s chain, if there is one."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        text = str(current)
-        if any(pattern in text for pattern in _NO_ACCELERATOR_ERRORS):
-            return f"{type(current).__name__}: {(text.splitlines() or [''])[0]}"
-        current = current.__cause__ or current.__context__
-    return None
 
 
 class _DistributedTestCase(TestCase):

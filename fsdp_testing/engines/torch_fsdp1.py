@@ -93,7 +93,7 @@ class TorchFSDP1Engine(WrapperEngine):
         offload = kwargs.get("cpu_offload")
         if offload is not None and getattr(offload, "offload_params", False):
             # torch's own words for this case, which the torch-compatible classes turn into a
-            # skip naming the need (see _NO_ACCELERATOR_ERRORS in fsdp_testing/testcase.py).
+            # skip naming the need (see fsdp_testing/_compat/accelerator_errors.py).
             why = (
                 "this rank's process group computes on the CPU; run it on the accelerator's "
                 "backend (nccl)"

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fsdp_testing._compat.accelerator_errors import needs_accelerator as _needs_accelerator
 from fsdp_testing._compat.fsdp import compiled_fsdp_test
-from fsdp_testing.testcase import _needs_accelerator
 
 
 def _module_with(**globals_: object) -> types.ModuleType:
