@@ -26,15 +26,22 @@ forward, for all three alike: the wrapper's ``forward_prefetch=True``; on both `
 the root and each block name the next block with ``set_modules_to_forward_prefetch`` (FSDP2
 prefetches in forward implicitly on CUDA only).
 
-``--order-check-cost`` adds a fourth model to the interleaved phase: fsdp_core with its order
+``--order-check-cost`` adds a copy of fsdp_core's model to the interleaved phase with its order
 tags switched off (``fsdp_core.debug.set_order_check``, a debugging option), and reports
 fsdp_core's paired ratio to it, i.e. what the in-payload order check (see [Note: order check] in
 ``fsdp_core/_order_check.py``) costs per step.
 
-``--overlap-cost`` adds fsdp_core with its overlap on the CPU switched off
+``--overlap-cost`` adds a copy with its overlap on the CPU switched off
 (``fsdp_core.debug.set_cpu_overlap``; see [Note: overlap on the CPU] in
 ``fsdp_core/_overlap.py``) to the interleaved phase, and reports fsdp_core's paired ratio to it:
 what overlapping the collectives with compute gains per step.
+
+The wrapper's copies trade roles every round (:func:`wrapper_roles`): in round r copy
+``(r + j) mod n`` plays role j (fsdp_core as is, then each variant asked for), switched by those
+two debugging options between steps. Two copies of one model differ in step time by themselves
+(where their buffers landed in memory; up to about 1% here), which a fixed copy per role would
+add to a variant's ratio; rotating the roles makes that difference cancel out. fsdp_core's times
+(and every ratio to FSDP2 and DDP) are those of whichever copy played it that round.
 
 ``--variants-only`` runs the interleaved phase alone with fsdp_core and those variants, so that a
 long run (hundreds of rounds) narrows their intervals in a fraction of the time.
@@ -247,7 +254,7 @@ def run_rank_interleaved(
     starting with a different engine each round. With ``order_check_cost`` fsdp_core with its
     order tags off (:data:`CORE_UNTAGGED`) is one more engine, with ``overlap_cost`` fsdp_core
     without overlap (:data:`CORE_NO_OVERLAP`); ``variants_only`` steps fsdp_core and those
-    variants only.
+    variants only. The wrapper's copies trade these roles every round (:func:`wrapper_roles`).
     """
     import torch
     import torch.distributed as dist
@@ -255,14 +262,17 @@ def run_rank_interleaved(
     torch.set_num_threads(1)
     rank = dist.get_rank()
     # Next to fsdp_core, so that most rounds step them back to back.
-    variants = (CORE_UNTAGGED,) * order_check_cost + (CORE_NO_OVERLAP,) * overlap_cost
-    engines = (ENGINES[0], *variants, *(() if variants_only else ENGINES[1:]))
-    steppers = {}
+    roles = (ENGINES[0],) + (CORE_UNTAGGED,) * order_check_cost
+    roles += (CORE_NO_OVERLAP,) * overlap_cost
+    engines = (*roles, *(() if variants_only else ENGINES[1:]))
+    built: dict[str, tuple[Any, Any]] = {}
     for engine in engines:
         model, block_class = _build(width, blocks)
         model = _wrap(engine, model, block_class, forward_prefetch)
         optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        steppers[engine] = (model, optim)
+        built[engine] = (model, optim)
+    copies = [built[role] for role in roles]  # the wrapper's copies, in the order built
+    steppers = dict(built)
     batch = torch.randn(4, 64, width, generator=torch.Generator().manual_seed(rank))
 
     def step(engine: str) -> float:
@@ -278,11 +288,29 @@ def run_rank_interleaved(
             step(engine)
     times: dict[str, list[float]] = {engine: [] for engine in engines}
     for r in range(rounds):
+        for role, copy in wrapper_roles(r, roles).items():
+            steppers[role] = copies[copy]
+            _switch_variant(copies[copy][0], role)
         for i in range(len(engines)):
             engine = engines[(r + i) % len(engines)]
             times[engine].append(step(engine))
     with open(os.path.join(out_dir, f"interleaved-rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "times": times}, f)
+
+
+def wrapper_roles(round_index: int, roles: tuple[str, ...]) -> dict[str, int]:
+    """Which of the wrapper's copies plays each role in round ``round_index``: role ``j`` goes
+    to copy ``(round_index + j) mod len(roles)``, so over ``len(roles)`` rounds every copy plays
+    every role once."""
+    return {role: (round_index + j) % len(roles) for j, role in enumerate(roles)}
+
+
+def _switch_variant(model: Any, role: str) -> None:
+    """Make one of the wrapper's copies ``role``: fsdp_core as is, or one variant of it."""
+    from fsdp_core.debug import set_cpu_overlap, set_order_check
+
+    set_order_check(model, enabled=role != CORE_UNTAGGED)
+    set_cpu_overlap(model, enabled=role != CORE_NO_OVERLAP)
 
 
 def run_rank_profile(

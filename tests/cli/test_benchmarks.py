@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness_overhead  # noqa: E402
-from core_vs_fsdp2 import median_interval, paired_ratios  # noqa: E402
+from core_vs_fsdp2 import median_interval, paired_ratios, wrapper_roles  # noqa: E402
 
 from ._images import assert_drawn_png  # noqa: E402
 
@@ -29,6 +29,18 @@ def test_the_median_interval_is_the_order_statistics_around_the_middle():
     values = [float(v) for v in range(1, 102)]
     assert median_interval(list(reversed(values))) == (41.0, 62.0)
     assert median_interval([2.0]) == (2.0, 2.0)
+
+
+def test_the_wrapper_copies_trade_roles_so_each_plays_every_role_equally():
+    roles = ("fsdp_core", "fsdp_core_untagged", "fsdp_core_no_overlap")
+    played = [wrapper_roles(r, roles) for r in range(6)]
+    assert played[0] == {"fsdp_core": 0, "fsdp_core_untagged": 1, "fsdp_core_no_overlap": 2}
+    assert played[1] == {"fsdp_core": 1, "fsdp_core_untagged": 2, "fsdp_core_no_overlap": 0}
+    for round_roles in played:  # one copy per role in every round
+        assert sorted(round_roles.values()) == [0, 1, 2]
+    for role in roles:  # every copy plays every role twice in six rounds
+        assert sorted(p[role] for p in played) == [0, 0, 1, 1, 2, 2]
+    assert wrapper_roles(5, ("fsdp_core",)) == {"fsdp_core": 0}
 
 
 def test_core_vs_fsdp2_runs_matches_theory_and_draws_its_png(tmp_path):
