@@ -38,10 +38,11 @@ what overlapping the collectives with compute gains per step.
 
 The wrapper's copies trade roles every round (:func:`wrapper_roles`): in round r copy
 ``(r + j) mod n`` plays role j (fsdp_core as is, then each variant asked for), switched by those
-two debugging options between steps. Two copies of one model differ in step time by themselves
-(where their buffers landed in memory; up to about 1% here), which a fixed copy per role would
-add to a variant's ratio; rotating the roles makes that difference cancel out. fsdp_core's times
-(and every ratio to FSDP2 and DDP) are those of whichever copy played it that round.
+two debugging options between steps. Two copies of one model may differ in step time by
+themselves (two tagged copies over 450 rounds: 1.0063, 95% interval 0.9964 to 1.0225), which a
+fixed copy per role would add to a variant's ratio; rotating the roles makes it cancel out.
+fsdp_core's times (and every ratio to FSDP2 and DDP) are those of whichever copy played it that
+round.
 
 ``--variants-only`` runs the interleaved phase alone with fsdp_core and those variants, so that a
 long run (hundreds of rounds) narrows their intervals in a fraction of the time.
