@@ -25,6 +25,8 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 HANG_TIMEOUT_S = 3  # the marker's timeout in scenarios/test_multinode.py
 JOB_LIMIT_S = 240.0
 """Whole-job bound: a job of a few seconds, with room for a loaded two-core CI machine."""
+# The end of pytest's last line; past a minute it adds the time as h:mm:ss: "in 74.96s (0:01:14)".
+SESSION_END = r" in [\d.]+s( \(\d+:\d\d:\d\d\))? =+$"
 _TORCH_LOG = re.compile(r"^[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
 """A line of torch's own logging (torchrun's banner, its agent's teardown)."""
 _C10_LOG = re.compile(r"^\[[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \S+\.cpp:\d+\] \[c10d\] ")
@@ -268,7 +270,7 @@ def test_one_report_on_the_first_node_and_one_line_on_the_other(torchrun_job: Jo
     first, other = (_own_lines(out) for out in torchrun_job.outputs)
     assert len(torchrun_job.cases) == 16, "the JUnit XML holds every test"
     assert sum("short test summary info" in line for line in first) == 1
-    assert re.match(r"=+ 5 failed, 10 passed, 1 skipped in [\d.]+s =+$", first[-1]), first[-1]
+    assert re.match(r"=+ 5 failed, 10 passed, 1 skipped" + SESSION_END, first[-1]), first[-1]
     assert len(other) == 1, other
     assert other[0].startswith("fsdp_testing: node 1 ("), other[0]
     assert "of this torchrun job; the report is on node 0 (" in other[0]
@@ -282,7 +284,7 @@ def test_the_job_exits_with_pytests_status_and_prints_nothing_at_exit(torchrun_j
         assert "Exception ignored" not in output
         assert "atexit" not in output
     # After pytest's last line the first node shows only torchrun's own summary.
-    assert re.match(r"=+ .* in [\d.]+s =+$", _own_lines(torchrun_job.outputs[0])[-1])
+    assert re.match(r"=+ .*" + SESSION_END, _own_lines(torchrun_job.outputs[0])[-1])
     assert torchrun_job.seconds < JOB_LIMIT_S
     assert processes_tagged(torchrun_job.tag) == []
 
@@ -309,7 +311,7 @@ def test_srun_tasks_exit_with_pytests_status_and_only_one_line_elsewhere(srun_jo
     first, task1, task2, task3 = srun_job.outputs
     assert srun_job.returncodes[:3] == [1, 1, 1]
     assert srun_job.returncodes[3] == -signal.SIGKILL  # killed by its own test
-    assert re.match(r"=+ 1 failed, 2 passed, 1 skipped in [\d.]+s =+$", first.splitlines()[-1])
+    assert re.match(r"=+ 1 failed, 2 passed, 1 skipped" + SESSION_END, first.splitlines()[-1])
     assert task1 == task3 == ""
     assert task2.count("\n") == 1
     assert task2.startswith("fsdp_testing: node 1 (") and "srun job step" in task2
