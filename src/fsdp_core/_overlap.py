@@ -22,7 +22,8 @@ once it issues the collective with ``async_op=True`` and waits where the result 
   ``reset_iter_state`` finishes the reductions in flight, so the gradients left are those left
   without overlap. The engine keeps no reference to the input of a reduction in flight: the
   process group holds what it still reads (gloo's reduce-scatter copies its input when it is
-  issued, so the engine's copy is freed there). The unsharded gradients are let go once they
+  issued, so the engine's copy goes back to the root's staging buffers there: see [Note:
+  staging buffers on the CPU] in ``_staging``). The unsharded gradients are let go once they
   are copied into the input, before the collective is issued, so that they never coexist with
   gloo's copy. So that the overlap costs no memory, a backward prefetch asked for while a
   reduction is in flight takes its all-gather's place there instead: the unit is unsharded as

@@ -38,6 +38,7 @@ from ._overlap import CpuOverlap
 from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
 from ._replaced import adopt_at_lazy_init, refuse_unowned_shared
+from ._staging import StagingBuffers
 from ._streams import CudaStreams, uses_streams
 from ._unit import FSDPUnit
 from .api import BackwardPrefetch, TrainingState, default_state_dict_settings
@@ -139,18 +140,14 @@ class FSDPState:
         self._expects_backward = False
         self._final_callback_queued = False  # root only
         self._hooked_params: set[ShardedParam] = set()  # with a post-accumulate-grad hook
-        # Whether the unit's collectives carry order tags; off only to measure their cost (see
-        # ``fsdp_core.debug.set_order_check``).
-        self.tag_collectives = True
+        self.tag_collectives = True  # order tags; off: ``fsdp_core.debug.set_order_check``
         self.unshard_in_backward = True  # False: backward needs no parameters (embeddings)
         self.unshard_async_op = False  # FSDP2's ``_set_unshard_async_op``
         # Root only (FSDP2's iteration controls): whether the coming backward ends the step,
         # and a CUDA event the next forward's all-gathers wait on instead of the stream.
         self.is_last_backward = True
         self.post_optim_event: torch.cuda.Event | None = None
-        # While True the door's forward hooks pass everything through; see
-        # ``fsdp_core.debug.suspend_hooks``.
-        self.hooks_suspended = False
+        self.hooks_suspended = False  # True: see ``fsdp_core.debug.suspend_hooks``
         self._register_post_backward_hooks()
 
     @property
@@ -217,11 +214,13 @@ class FSDPState:
             self.streams.max_pending_reduces = max(self.streams.max_pending_reduces, pending)
             for unit in units:
                 unit.streams = self.streams
-        else:  # see [Note: overlap on the CPU] in _overlap
+        else:  # see [Note: overlap on the CPU] in _overlap, [Note: staging buffers on the CPU]
             self.cpu_overlap.max_pending_reduces = pending
+            staging = StagingBuffers()
             for state in states:
-                if state.unit is not None and state.overlaps_on_cpu:
-                    state.unit.cpu_overlap = self.cpu_overlap
+                if state.unit is not None:
+                    state.unit.staging = staging
+                    state.unit.cpu_overlap = self.cpu_overlap if state.overlaps_on_cpu else None
 
     def set_order_tags(self, enabled: bool) -> None:
         """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""

@@ -42,6 +42,7 @@ from ._overlap import CpuOverlap, PendingGather, overlaps
 from ._param import DTensorLayout, ParamSpec, ShardedParam, chunk_shape, local_tensor
 from ._post_forward import PostForwardShards
 from ._precision import UnitPrecision
+from ._staging import StagingBuffers
 from ._streams import CudaStreams
 from ._unit_grads import UnitGrads
 
@@ -131,6 +132,8 @@ class FSDPUnit(UnitGrads):
         self._deferred_op: TagOp | None = None  # a backward prefetch's gather, not yet issued
         # Set by the root at lazy init; None: collectives go untagged. See [Note: order check].
         self.order_tags: UnitTags | None = None
+        # The root's on the CPU, set at lazy init: see [Note: staging buffers on the CPU].
+        self.staging: StagingBuffers | None = None
         alias = not self._sharded and not offload_params and not self.precision.casts_params
 
         numels = [
@@ -353,9 +356,11 @@ class FSDPUnit(UnitGrads):
         del grads  # copied in: freed before the collective allocates its own buffers
         if overlap is not None:
             self._reduce_later(overlap, reduce_input, got)
+            self._give_reduce_input(reduce_input)
             return
         if streams is None:
             self._store_grads(self._reduce(reduce_input), got)
+            self._give_reduce_input(reduce_input)
             return
         side = streams.reduce_scatter
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -394,10 +399,11 @@ class FSDPUnit(UnitGrads):
         group = self.groups.shard
         if group is None or not self._sharded:
             return send
-        comm = self.all_gather_comm
-        gathered = _collectives.new_buffer(
-            comm, self.shard_world * send.numel(), dtype, self.device
-        )
+        comm, numel_out = self.all_gather_comm, self.shard_world * send.numel()
+        if comm is None and self.staging is not None:  # see [Note: staging buffers on the CPU]
+            gathered = self.staging.take(numel_out, dtype)
+        else:
+            gathered = _collectives.new_buffer(comm, numel_out, dtype, self.device)
         code = tags.code(op) if tags is not None and op is not None else 0
         if tags is not None:
             _order_check.write_gather_tag(send, code)
@@ -427,6 +433,8 @@ class FSDPUnit(UnitGrads):
         if extended or self._extensions is not None:  # see [Note: all-gather extensions]
             self._extensions = self._extensions or GatherExtensions()
             self._extensions.unshard(self, extended)
+        elif self.staging is not None:  # copied out: see [Note: staging buffers on the CPU]
+            self.staging.give(gathered)
         self._gathered = self._gathered_event = None
 
     # ------------------------------------------------------------------ full parameters

@@ -22,6 +22,7 @@ from ._overlap import CpuOverlap, overlaps
 from ._param import ShardedParam
 from ._precision import UnitPrecision
 from ._reduce import AllReduceHook, input_tag_slots, reduce_gradients, start_reduce_scatter
+from ._staging import StagingBuffers
 from ._streams import CudaStreams
 
 __all__ = ["UnitGrads", "write_grad_rows"]
@@ -69,6 +70,7 @@ class UnitGrads:
     offload_params: bool
     streams: CudaStreams | None
     cpu_overlap: CpuOverlap | None
+    staging: StagingBuffers | None
     order_tags: UnitTags | None
     reduce_scatter_comm: ReduceScatterComm | None
     _sharded: bool
@@ -112,18 +114,28 @@ class UnitGrads:
         """
         slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
         shape = (self.shard_world, self._grad_numel + slots)
-        full = _collectives.new_buffer(
-            self.reduce_scatter_comm, math.prod(shape), self.precision.reduce_dtype, self.device
-        )
-        full = full.view(shape)
+        dtype, comm = self.precision.reduce_dtype, self.reduce_scatter_comm
+        if comm is None and self.staging is not None:  # see [Note: staging buffers on the CPU]
+            full = self.staging.take(math.prod(shape), dtype).view(shape)
+        else:
+            full = _collectives.new_buffer(comm, math.prod(shape), dtype, self.device).view(shape)
         factor = self.gradient_divide_factor
         div = self.groups.world if factor is None else 1  # See [Note: gradient averaging].
         for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):
             write_grad_rows(p, grad, full[:, offset : offset + p.shard_numel], div)
         full[:, self._grad_numel :].zero_()
         if factor is not None and factor != 1:  # sum / factor: one division out of place, as
-            return full / factor  # FSDP2 (torch's tests count the ``aten.div.Tensor`` calls)
+            divided = full / factor  # FSDP2 (torch's tests count the ``aten.div.Tensor`` calls)
+            self._give_reduce_input(full)
+            return divided
         return full
+
+    def _give_reduce_input(self, reduce_input: torch.Tensor) -> None:
+        """Hand a reduce input that the engine no longer reads back to the root's staging
+        buffers, unless the reduced gradient is a view of it (a shard group of one). See
+        [Note: staging buffers on the CPU]."""
+        if self.staging is not None and self._sharded and self.groups.shard_size > 1:
+            self.staging.give(reduce_input)
 
     def _overlap_for_reduce(self) -> CpuOverlap | None:
         """``cpu_overlap`` where the reduction is one reduce-scatter over gloo (no replicate

@@ -2,11 +2,13 @@
 ``fsdp_core/_overlap.py``): the unsharded gradients are let go once they are copied into the
 reduce input, before the reduce-scatter is issued (gloo copies its input there, so a third copy
 would coexist with both), and the engine keeps no reference to the input of a reduction in
-flight (the process group holds what it still reads)."""
+flight (the process group holds what it still reads): the input goes back to the root's staging
+buffers (see [Note: staging buffers on the CPU] in ``fsdp_core/_staging.py``), so at a later
+all-gather it lives on only as that all-gather's output or as an idle staging buffer, and after
+the steps only the idle staging buffers remain."""
 
 from __future__ import annotations
 
-import itertools
 from unittest import mock
 
 import pytest
@@ -17,6 +19,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_core import FSDP, BackwardPrefetch, _collectives, fully_shard
 from fsdp_core._param import ShardedParam
+from fsdp_core._runtime import states_in
+from fsdp_core._staging import StagingBuffers
 from fsdp_core.debug import set_cpu_overlap
 
 
@@ -46,6 +50,12 @@ def _composable(group: dist.ProcessGroup) -> nn.Module:
     return fully_shard(model)
 
 
+def _staging_of(model: nn.Module) -> StagingBuffers:
+    staging = next(s.unit.staging for s in states_in(model) if s.unit is not None)
+    assert staging is not None
+    return staging
+
+
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("door", ["wrapper", "fully_shard"])
@@ -53,7 +63,7 @@ def test_a_reduction_lets_go_of_the_gradients_and_of_its_input(rank, process_gro
     model = (_wrapper if door == "wrapper" else _composable)(process_group)
     set_cpu_overlap(model, enabled=overlap)
     grads: list[StorageWeakRef] = []  # every unsharded gradient a reduction took
-    inputs: list[StorageWeakRef] = []  # every reduce-scatter's input
+    inputs: list[tuple[StorageWeakRef, int]] = []  # every reduce-scatter's input, and where
     problems: list[str] = []
     take = ShardedParam.take_unreduced_grad
     scatter = getattr(dist, _collectives._REDUCE_SCATTER)
@@ -69,12 +79,13 @@ def test_a_reduction_lets_go_of_the_gradients_and_of_its_input(rank, process_gro
         alive = sum(not ref.expired() for ref in grads)
         if alive:
             problems.append(f"{alive} unsharded gradient(s) alive at a reduce-scatter")
-        inputs.append(StorageWeakRef(full.untyped_storage()))
+        inputs.append((StorageWeakRef(full.untyped_storage()), full.data_ptr()))
         # The backend gets a copy, so that only the engine's own references keep the input.
         return scatter(output, full.clone(), *args, **kwargs)
 
     def gathering(output, shard, *args, **kwargs):
-        alive = sum(not ref.expired() for ref in inputs)
+        reused = {output.data_ptr(), *(b.data_ptr() for b in _staging_of(model).idle())}
+        alive = sum(not ref.expired() and at not in reused for ref, at in inputs)
         if alive:
             problems.append(f"{alive} reduce input(s) alive at an all-gather")
         return gather(output, shard, *args, **kwargs)
@@ -95,4 +106,7 @@ def test_a_reduction_lets_go_of_the_gradients_and_of_its_input(rank, process_gro
     # while the reduce-scatter of the layer two after it is in flight.
     assert (len(inputs), len(grads)) == (3 * 4, 3 * 8)
     assert problems == []
-    assert all(ref.expired() for ref in itertools.chain(grads, inputs))
+    # Only the root's idle staging buffers outlive the steps.
+    idle = {b.data_ptr() for b in _staging_of(model).idle()}
+    assert all(ref.expired() for ref in grads)
+    assert all(ref.expired() or at in idle for ref, at in inputs)
