@@ -22,6 +22,7 @@ the first backward outside reduces the sum.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -191,8 +192,7 @@ class FSDPState:
             if state.unit is not None and state.tag_collectives:
                 # See [Note: order check].
                 state.unit.order_tags = order.checker.for_unit(index)
-        # See [Note: replaced parameters] in _replaced: the offload check sees the adopted
-        # parameters (loaded with assign=True onto an offloaded meta module).
+        # See [Note: replaced parameters] in _replaced (the offload check sees adopted ones).
         adopt_at_lazy_init(
             [(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None],
             check=lambda: validate_offloaded_devices([s.unit for s in states if s.unit]),
@@ -360,11 +360,8 @@ class FSDPState:
             unit.wait_for_unshard()
 
     def _register_post_backward_hooks(self) -> None:
-        """Hook every trainable unsharded parameter that has no hook yet.
-
-        A hook stays registered when its parameter is frozen (it just stops firing), and can
-        only be registered on a tensor that requires grad: hence lazily, at each forward.
-        """
+        """Hook every trainable unsharded parameter that has no hook yet: lazily, at each
+        forward, as only a tensor that requires grad takes one (a frozen one keeps its hook)."""
         if self.unit is None:
             return
         for param in self.unit.grad_params:
@@ -375,9 +372,14 @@ class FSDPState:
                 self._hooked_params.add(param)
 
     def _make_grad_ready_hook(self, param: ShardedParam) -> Any:
+        # Weak: autograd keeps the hook where gc cannot see it; a strong one kept the model.
+        state, weak_param = weakref.ref(self), weakref.ref(param)
+
         def hook(_: torch.Tensor) -> None:
-            if self.unit is not None and self.unit.mark_grad_ready(param):
-                self._post_backward()
+            this, p = state(), weak_param()
+            if this is not None and p is not None and this.unit is not None:
+                if this.unit.mark_grad_ready(p):
+                    this._post_backward()
 
         return hook
 
@@ -486,9 +488,8 @@ class FSDPState:
             or not target.unshard_in_backward
         ):
             # Its backward already started (e.g. a root that owns both the first and the last
-            # layer reduces only at the end), or will not run (no output of its forward
-            # requires grad, e.g. frozen layers before any trainable one): gathering it again
-            # would be wasted.
+            # layer reduces only at the end), or will not run (no output of its forward requires
+            # grad, e.g. frozen layers before any trainable one): gathering it would be wasted.
             return
         if self.config.limit_all_gathers and not explicit:
             root = self._root()

@@ -53,19 +53,26 @@ class StagingBuffers:
         # Buffers in use, by data pointer; weak, so that one never given back is freed.
         self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1D CPU tensor of ``numel`` elements of ``dtype`` (uninitialized): the first
-        ``numel`` elements of an idle buffer of its rounded size, or of a new one."""
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D tensor of ``numel`` elements of ``dtype`` on ``device`` (uninitialized): on the
+        CPU the first ``numel`` elements of an idle buffer of its rounded size, or of a new
+        one; elsewhere (``meta``, a planner's fake tensors) a new tensor, never kept."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
         per = max(1, GRAIN_BYTES // torch.empty((), dtype=dtype).element_size())
         size = -(-numel // per) * per
         idle = self._idle.get((dtype, size))
         buffer = idle.pop() if idle else torch.empty(size, dtype=dtype)
+        if type(buffer) is not torch.Tensor:  # under a fake mode: no memory to keep
+            return buffer[:numel]
         self._lent[buffer.data_ptr()] = buffer
         return buffer[:numel]
 
     def give(self, tensor: torch.Tensor) -> None:
         """Take back the buffer that ``tensor`` (a view from :meth:`take`) lies in; the caller
         holds no other view of it. A tensor this object did not hand out is left alone."""
+        if type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+            return
         buffer = self._lent.pop(tensor.data_ptr(), None)
         if buffer is None:
             return

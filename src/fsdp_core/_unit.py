@@ -401,7 +401,7 @@ class FSDPUnit(UnitGrads):
             return send
         comm, numel_out = self.all_gather_comm, self.shard_world * send.numel()
         if comm is None and self.staging is not None:  # see [Note: staging buffers on the CPU]
-            gathered = self.staging.take(numel_out, dtype)
+            gathered = self.staging.take(numel_out, dtype, self.device)
         else:
             gathered = _collectives.new_buffer(comm, numel_out, dtype, self.device)
         code = tags.code(op) if tags is not None and op is not None else 0

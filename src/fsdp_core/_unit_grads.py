@@ -116,7 +116,7 @@ class UnitGrads:
         shape = (self.shard_world, self._grad_numel + slots)
         dtype, comm = self.precision.reduce_dtype, self.reduce_scatter_comm
         if comm is None and self.staging is not None:  # see [Note: staging buffers on the CPU]
-            full = self.staging.take(math.prod(shape), dtype).view(shape)
+            full = self.staging.take(math.prod(shape), dtype, self.device).view(shape)
         else:
             full = _collectives.new_buffer(comm, math.prod(shape), dtype, self.device).view(shape)
         factor = self.gradient_divide_factor

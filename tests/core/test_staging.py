@@ -18,6 +18,8 @@ from fsdp_core._runtime import states_in
 from fsdp_core._staging import GRAIN_BYTES, KEEP, StagingBuffers
 from fsdp_core.debug import set_cpu_overlap
 
+CPU = torch.device("cpu")
+
 
 def _idle_bytes(staging: StagingBuffers) -> int:
     return sum(b.numel() * b.element_size() for b in staging.idle())
@@ -25,14 +27,14 @@ def _idle_bytes(staging: StagingBuffers) -> int:
 
 def test_a_given_buffer_is_taken_again_at_its_rounded_size() -> None:
     staging = StagingBuffers()
-    first = staging.take(1000, torch.float32)
+    first = staging.take(1000, torch.float32, CPU)
     assert first.numel() == 1000
     address = first.data_ptr()
     staging.give(first)
     assert _idle_bytes(staging) == GRAIN_BYTES  # 1000 floats round up to one grain
-    again = staging.take(1010, torch.float32)  # a few more elements: the same grain
+    again = staging.take(1010, torch.float32, CPU)  # a few more elements: the same grain
     assert again.data_ptr() == address and _idle_bytes(staging) == 0
-    other = staging.take(1000, torch.float64)  # another dtype: another buffer
+    other = staging.take(1000, torch.float64, CPU)  # another dtype: another buffer
     assert other.data_ptr() != address
 
 
@@ -40,16 +42,29 @@ def test_only_lent_buffers_come_back_and_at_most_keep_per_size() -> None:
     staging = StagingBuffers()
     staging.give(torch.empty(10))  # not lent: left alone
     assert _idle_bytes(staging) == 0
-    lent = [staging.take(10, torch.float32) for _ in range(KEEP + 1)]
+    lent = [staging.take(10, torch.float32, CPU) for _ in range(KEEP + 1)]
     for tensor in lent:
         staging.give(tensor)
     staging.give(lent[0])  # twice: the second is ignored
     assert _idle_bytes(staging) == KEEP * GRAIN_BYTES
 
 
+def test_meta_and_fake_tensors_are_made_fresh_and_never_kept() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    staging = StagingBuffers()
+    meta = staging.take(10, torch.float32, torch.device("meta"))
+    assert meta.device.type == "meta" and meta.numel() == 10
+    staging.give(meta)
+    with FakeTensorMode():
+        fake = staging.take(10, torch.float32, CPU)
+        staging.give(fake)
+    assert fake.numel() == 10 and staging.idle() == []
+
+
 def test_a_buffer_never_given_back_is_freed() -> None:
     staging = StagingBuffers()
-    tensor = staging.take(10, torch.float32)
+    tensor = staging.take(10, torch.float32, CPU)
     ref = weakref.ref(tensor._base)
     del tensor
     gc.collect()
@@ -131,3 +146,20 @@ def test_steps_after_the_first_reuse_the_buffers_and_train_alike(
     assert len(used[2]) <= KEEP
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("door", ["wrapper", "fully_shard"])
+def test_a_model_and_its_staging_buffers_are_freed_once_let_go(rank, process_group, door) -> None:
+    """The post-accumulate-grad hooks hold their state weakly: autograd keeps them where gc
+    cannot see them, and a strong reference kept the whole model (and its idle staging
+    buffers) alive after the user let go of it."""
+    model = _sharded(door, process_group)
+    for step in range(2):
+        model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
+    staging = next(s.unit.staging for s in states_in(model) if s.unit is not None)
+    assert staging is not None and staging.idle()
+    refs = [weakref.ref(model), weakref.ref(staging.idle()[0])]
+    del model, staging
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True, True]
