@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import events
+from ._staging import StagingBuffers
 
 __all__ = [
     "AllGatherComm",
@@ -87,9 +88,13 @@ def new_buffer(
     numel: int,
     dtype: torch.dtype,
     device: torch.device,
+    staging: StagingBuffers | None = None,
 ) -> torch.Tensor:
-    """A 1D staging buffer of ``numel`` elements, from ``comm.allocate`` if a comm is set."""
+    """A 1D staging buffer of ``numel`` elements, from ``comm.allocate`` if a comm is set, else
+    from ``staging`` if given (see [Note: staging buffers on the CPU] in ``_staging``)."""
     if comm is None:
+        if staging is not None:
+            return staging.take(numel, dtype, device)
         return torch.empty(numel, dtype=dtype, device=device)
     buffer = comm.allocate((numel,), dtype=dtype, device=device)
     if buffer.numel() != numel or buffer.dtype != dtype or not buffer.is_contiguous():

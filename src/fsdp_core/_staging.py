@@ -59,7 +59,7 @@ class StagingBuffers:
         one; elsewhere (``meta``, a planner's fake tensors) a new tensor, never kept."""
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
-        per = max(1, GRAIN_BYTES // torch.empty((), dtype=dtype).element_size())
+        per = max(1, GRAIN_BYTES // dtype.itemsize)
         size = -(-numel // per) * per
         idle = self._idle.get((dtype, size))
         buffer = idle.pop() if idle else torch.empty(size, dtype=dtype)

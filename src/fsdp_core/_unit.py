@@ -399,11 +399,10 @@ class FSDPUnit(UnitGrads):
         group = self.groups.shard
         if group is None or not self._sharded:
             return send
-        comm, numel_out = self.all_gather_comm, self.shard_world * send.numel()
-        if comm is None and self.staging is not None:  # see [Note: staging buffers on the CPU]
-            gathered = self.staging.take(numel_out, dtype, self.device)
-        else:
-            gathered = _collectives.new_buffer(comm, numel_out, dtype, self.device)
+        comm = self.all_gather_comm
+        gathered = _collectives.new_buffer(
+            comm, self.shard_world * send.numel(), dtype, self.device, self.staging
+        )
         code = tags.code(op) if tags is not None and op is not None else 0
         if tags is not None:
             _order_check.write_gather_tag(send, code)

@@ -114,11 +114,13 @@ class UnitGrads:
         """
         slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
         shape = (self.shard_world, self._grad_numel + slots)
-        dtype, comm = self.precision.reduce_dtype, self.reduce_scatter_comm
-        if comm is None and self.staging is not None:  # see [Note: staging buffers on the CPU]
-            full = self.staging.take(math.prod(shape), dtype, self.device).view(shape)
-        else:
-            full = _collectives.new_buffer(comm, math.prod(shape), dtype, self.device).view(shape)
+        full = _collectives.new_buffer(
+            self.reduce_scatter_comm,
+            math.prod(shape),
+            self.precision.reduce_dtype,
+            self.device,
+            self.staging,  # see [Note: staging buffers on the CPU]
+        ).view(shape)
         factor = self.gradient_divide_factor
         div = self.groups.world if factor is None else 1  # See [Note: gradient averaging].
         for p, offset, grad in zip(self._grad_params, self._grad_offsets, grads, strict=True):

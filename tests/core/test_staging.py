@@ -88,21 +88,13 @@ def test_gloos_reduce_scatter_copies_its_input_when_issued(rank, process_group) 
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-class Chain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-
 def _sharded(door: str, group: dist.ProcessGroup) -> nn.Module:
-    model = Chain()
-    for i, layer in enumerate(model.layers):
+    """Four layers of one size, so their all-gather outputs and reduce inputs share buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    for i, layer in enumerate(model):
         if door == "wrapper":
-            model.layers[i] = FSDP(layer, group)
+            model[i] = FSDP(layer, group)
         else:
             fully_shard(layer)
     return FSDP(model, group) if door == "wrapper" else fully_shard(model)
