@@ -4,11 +4,13 @@ reduce input, before the reduce-scatter is issued (gloo copies its input there, 
 would coexist with both), and the engine keeps no reference to the input of a reduction in
 flight (the process group holds what it still reads): the input goes back to the root's staging
 buffers (see [Note: staging buffers on the CPU] in ``fsdp_core/_staging.py``), so at a later
-all-gather it lives on only as that all-gather's output or as an idle staging buffer, and after
-the steps only the idle staging buffers remain."""
+all-gather it lives on only as that all-gather's output or as an idle staging buffer; after
+the steps only the idle staging buffers remain, and once the model is let go, nothing."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -65,6 +67,7 @@ def test_a_reduction_lets_go_of_the_gradients_and_of_its_input(rank, process_gro
     grads: list[StorageWeakRef] = []  # every unsharded gradient a reduction took
     inputs: list[tuple[StorageWeakRef, int]] = []  # every reduce-scatter's input, and where
     problems: list[str] = []
+    held = weakref.ref(model)  # so that the model can be let go at the end
     take = ShardedParam.take_unreduced_grad
     scatter = getattr(dist, _collectives._REDUCE_SCATTER)
     gather = getattr(dist, _collectives._ALL_GATHER)
@@ -84,7 +87,7 @@ def test_a_reduction_lets_go_of_the_gradients_and_of_its_input(rank, process_gro
         return scatter(output, full.clone(), *args, **kwargs)
 
     def gathering(output, shard, *args, **kwargs):
-        reused = {output.data_ptr(), *(b.data_ptr() for b in _staging_of(model).idle())}
+        reused = {output.data_ptr(), *(b.data_ptr() for b in _staging_of(held()).idle())}
         alive = sum(not ref.expired() and at not in reused for ref, at in inputs)
         if alive:
             problems.append(f"{alive} reduce input(s) alive at an all-gather")
@@ -110,3 +113,7 @@ def test_a_reduction_lets_go_of_the_gradients_and_of_its_input(rank, process_gro
     idle = {b.data_ptr() for b in _staging_of(model).idle()}
     assert all(ref.expired() for ref in grads)
     assert all(ref.expired() or at in idle for ref, at in inputs)
+    # And nothing outlives the model.
+    del model, optim
+    gc.collect()
+    assert [at for ref, at in inputs if not ref.expired()] == []
