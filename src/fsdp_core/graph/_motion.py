@@ -9,6 +9,7 @@ with it. Bucketing and prefetching both move collectives this way; neither moves
 from __future__ import annotations
 
 import copy
+import heapq
 
 import torch
 import torch.fx
@@ -32,28 +33,30 @@ def is_pure(node: torch.fx.Node) -> bool:
 
 
 def exclusive_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The pure nodes that feed ``node`` and nothing else (transitively), in graph order."""
-    chain: set[torch.fx.Node] = set()
-    frontier_nodes = list(node.all_input_nodes)
-    changed = True
-    candidates: set[torch.fx.Node] = set()
-    while frontier_nodes:
-        candidate = frontier_nodes.pop()
-        if candidate in candidates:
-            continue
-        candidates.add(candidate)
-        if is_pure(candidate):
-            frontier_nodes.extend(candidate.all_input_nodes)
-    # Keep the candidates whose every user is ``node`` or already in the chain.
-    while changed:
-        changed = False
-        for candidate in candidates - chain:
-            if not is_pure(candidate):
-                continue
-            if all(user is node or user in chain for user in candidate.users):
-                chain.add(candidate)
-                changed = True
+    """The pure nodes that feed ``node`` and nothing else (transitively), in graph order.
+
+    Candidates are decided latest first: a node's users come after it in the graph, so by the
+    time a candidate is decided every user that could be in the chain already is or is not.
+    Only the chain and the nodes next to it are visited, not every pure ancestor (a gradient's
+    ancestors are most of the backward).
+    """
     order = _meta.positions(node.graph)
+    chain: set[torch.fx.Node] = set()
+    seen: set[torch.fx.Node] = set()
+    latest_first: list[tuple[int, torch.fx.Node]] = []  # a heap of (-position, node)
+
+    def offer(inputs: list[torch.fx.Node]) -> None:
+        for candidate in inputs:
+            if candidate not in seen:
+                seen.add(candidate)
+                heapq.heappush(latest_first, (-order[candidate], candidate))
+
+    offer(node.all_input_nodes)
+    while latest_first:
+        _, candidate = heapq.heappop(latest_first)
+        if all(user is node or user in chain for user in candidate.users) and is_pure(candidate):
+            chain.add(candidate)
+            offer(candidate.all_input_nodes)
     return _meta.ordered(chain, order)
 
 

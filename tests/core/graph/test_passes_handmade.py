@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import itertools
 import operator
+from unittest import mock
 
 import pytest
 import torch
 import torch.fx
 
-from fsdp_core.graph import _meta, peak_memory
+from fsdp_core.graph import _meta, _motion, peak_memory
 from fsdp_core.graph.passes import (
     bucket_all_gathers,
     bucket_reduce_scatters,
@@ -128,6 +129,30 @@ def test_bucketing_does_not_cross_a_data_dependency() -> None:
     # a's result feeds b's input, so a and b stay apart; b and c merge.
     assert units == [("a",), ("b", "c")]
     _same_outputs(gm, bucketed)
+
+
+def test_a_copy_in_chain_is_found_without_walking_the_ancestors_it_shares() -> None:
+    # x -> 200 relus -> shared, which feeds own (read only by the target) and other (an output).
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    for _ in range(200):
+        node = graph.call_function(ATEN.relu.default, (node,))
+    own = graph.call_function(ATEN.neg.default, (node,))
+    other = graph.call_function(ATEN.neg.default, (node,))
+    target = graph.call_function(ATEN.neg.default, (own,))
+    graph.output((target, other))
+    checked: list[torch.fx.Node] = []
+    is_pure = _motion.is_pure
+
+    def counting(n: torch.fx.Node) -> bool:
+        checked.append(n)
+        return is_pure(n)
+
+    with mock.patch.object(_motion, "is_pure", counting):
+        assert _motion.exclusive_inputs(target) == [own]
+    # Only the chain is asked about: shared has a user outside it, so its 200 ancestors, which
+    # could never join the chain, are not visited (a gradient's ancestors are most of a graph).
+    assert checked == [own]
 
 
 def test_prefetch_issues_the_next_gather_before_the_previous_unit_computes() -> None:
