@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import core_step_parts  # noqa: E402
 import harness_overhead  # noqa: E402
 from core_vs_fsdp2 import median_interval, paired_ratios, wrapper_roles  # noqa: E402
 
@@ -136,3 +137,52 @@ def test_rank_resets_times_each_reset_that_rank_state_restore_runs():
         row = next(x for x in lines if x.startswith(name))
         assert float(row.removeprefix(name).strip()) >= 0, row
     assert any(x.startswith("RankState.restore, all of it") for x in lines)
+
+
+def test_core_step_parts_subtracts_what_a_part_calls_and_puts_a_wait_under_its_caller(monkeypatch):
+    class Outer:
+        def run(self) -> None:
+            inner.run()
+            wait()
+
+    class Inner:
+        def run(self) -> None:
+            pass
+
+    holder = type("holder", (), {"wait": staticmethod(lambda: None)})
+    clocks = core_step_parts.Clocks()
+    clocks.wrap(Outer, "run", "Outer.run")
+    clocks.wrap(Inner, "run", "Inner.run")
+    clocks.wrap(holder, "wait", core_step_parts.WAIT)
+    inner, wait = Inner(), holder.wait
+    # outer 0..10 s; inner 1..3 s (2 s); the wait 4..8 s (4 s): outer's own time is 4 s.
+    ticks = iter([0.0, 1.0, 3.0, 4.0, 8.0, 10.0])
+    monkeypatch.setattr(core_step_parts.time, "perf_counter", lambda: next(ticks))
+    Outer().run()
+    assert dict(clocks.own) == {"Inner.run": 2.0, "wait in Outer.run": 4.0, "Outer.run": 4.0}
+    assert dict(clocks.calls) == {"Inner.run": 1, "wait in Outer.run": 1, "Outer.run": 1}
+
+
+def test_core_step_parts_counts_each_part_per_step():
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(ROOT / "benchmarks" / "core_step_parts.py")),
+            *("--engine", "fsdp_core", "--width", "32", "--blocks", "1"),
+            *("--steps", "2", "--warmup", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = {}
+    for line in proc.stdout.splitlines()[4:]:
+        label, *figures = line.rsplit(maxsplit=3)
+        if len(figures) == 3:
+            calls[label.strip()] = float(figures[2])
+    # One block (12 parameters) gathered in forward and again in backward, the root (6) once.
+    assert calls["FSDPUnit._gather"] == 3.0
+    assert calls["ShardedParam.copy_from_gathered"] == 2 * 12 + 6
+    assert calls["UnitGrads._reduce_input"] == 2.0  # one reduction per unit
+    assert any(label.startswith("wait in ") for label in calls), proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("all of the above")
