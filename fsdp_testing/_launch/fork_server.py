@@ -57,17 +57,10 @@ def _fork_rank(spec: GenerationSpec, rank: int, close_in_child: object) -> int:
 
 
 def main(address: str) -> None:
-    from fsdp_testing._launch.rank_process import connect, die_with_parent
+    from fsdp_testing._launch.rank_process import connect, die_with_parent, preload
 
     die_with_parent()
-    # Preload what every rank needs, so forks start warm.
-    import _pytest._code
-    import _pytest.assertion.rewrite  # noqa: F401
-    import torch
-    import torch.distributed  # noqa: F401
-
-    import fsdp_testing._rank.run_task
-    import fsdp_testing._rank.state_reset  # noqa: F401
+    preload()  # so that forks start warm
 
     conn = connect(address)
     conn.send(ServerHello(os.getpid()))

@@ -2,10 +2,11 @@
 
 Every process a launcher starts, except the first (global rank 0), becomes a slot instead of a
 pytest session (``plugin.pytest_cmdline_main``); the first process starts a helper process that
-is its own slot (``python -m fsdp_testing._launch.job_slot``). A slot imports torch once and
-never joins a process group itself: for each world the coordinator asks for, it forks a rank
-process (``rank_process.serve``) that joins that world through the job's store. A rank that
-hangs or dies is dumped, killed and replaced while its slot keeps talking to the coordinator.
+is its own slot (``python -m fsdp_testing._launch.job_slot``). A slot imports what its ranks
+need once (``rank_process.preload``) and never joins a process group itself: for each world
+the coordinator asks for, it forks a rank process (``rank_process.serve``) that joins that world
+through the job's store. A rank that hangs or dies is dumped, killed and replaced while its
+slot keeps talking to the coordinator.
 Messages and keys: [Note: job protocol] in ``job_messages.py``.
 """
 
@@ -42,6 +43,7 @@ from fsdp_testing._launch.job_messages import (
     connect_store,
     take,
 )
+from fsdp_testing._launch.rank_process import die_with_parent, preload, serve
 from fsdp_testing._launch.torchrun import JobEnv, job_env
 from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
 from fsdp_testing._rank.context import RankContext
@@ -321,8 +323,6 @@ class Slot:
             if os.path.isdir(msg.cwd):
                 os.chdir(msg.cwd)
             os.environ.update(msg.env)
-            from fsdp_testing._launch.rank_process import serve
-
             threads = max(1, (os.cpu_count() or 1) // max(1, msg.ranks_on_host))
             join = functools.partial(_join_world, job=self._job, gen=msg.gen, threads=threads)
             serve(rank=self._rank, spec=spec, join=join)
@@ -492,6 +492,7 @@ def serve_slot(job: JobEnv, *, helper: bool = False) -> int:
     status to leave with (the session's, or 1 when it vanished without releasing this slot).
     ``helper``: this is the first process's own slot, a process it started (which prints
     nothing; otherwise the first process of every other node prints where the report is)."""
+    preload()  # its ranks start warm, as the fork server's do
     try:
         store = connect_store(job, host=False)
         return Slot(job, store, announce=not helper, helper=helper).serve()
@@ -508,8 +509,6 @@ def serve_slot(job: JobEnv, *, helper: bool = False) -> int:
 
 def main() -> None:
     """The first process's own slot (a helper it starts)."""
-    from fsdp_testing._launch.rank_process import die_with_parent
-
     die_with_parent()
     job = job_env()
     assert job is not None, "job_slot started outside a launched job"

@@ -3,6 +3,9 @@ in-process; the jobs themselves run in test_multinode.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from fsdp_testing._launch.job_slot import _split_dump
@@ -202,3 +205,33 @@ def test_a_slots_dump_drops_the_frames_its_rank_inherited_from_the_fork() -> Non
         '  File "/t/test_x.py", line 3 in test_x',
         '  File "/pkg/fsdp_testing/_launch/rank_process.py", line 120 in serve',
     ]
+
+
+# A slot that cannot reach the store returns at once; what it imported by then is printed.
+_SLOT_IMPORTS = """
+import sys
+from fsdp_testing._launch import job_slot
+from fsdp_testing._launch.torchrun import read_job_env
+
+def no_store(*args, **kwargs):
+    raise ConnectionError("no store in this test")
+
+job_slot.connect_store = no_store
+names = ("pytest", "_pytest.assertion.rewrite", "torch.distributed")
+print(sorted(n for n in names if n in sys.modules))
+print(job_slot.serve_slot(read_job_env(TORCHRUN), helper=True))
+print(sorted(n for n in names if n in sys.modules))
+"""
+
+
+def test_a_slot_imports_what_its_ranks_need_before_it_forks_them() -> None:
+    """The ranks a slot forks start warm, as the fork server's do: pytest (every test module
+    imports it) and its assertion rewriting are not imported inside a new rank's first test,
+    and so inside its timeout (the first process's helper slot, a fresh interpreter, had
+    neither; a rank of it was seen still importing pytest when a 3 s timeout hit)."""
+    code = f"TORCHRUN = {TORCHRUN!r}\n{_SLOT_IMPORTS}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[]", proc.stdout + proc.stderr  # nothing of it before the slot runs
+    assert lines[1] == "1", proc.stdout + proc.stderr  # no store: the slot gives up
+    assert lines[2] == "['_pytest.assertion.rewrite', 'pytest', 'torch.distributed']"
