@@ -256,14 +256,55 @@ def _own_lines(output: str) -> list[str]:
         if "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in output:
             assert not ours, lines[start:]
         if not ours and any(line.startswith(_TORCHRUN_ENDS) for line in lines[start:]):
+            # With the tracebacks chained before it (the store's error that the agent's
+            # rendezvous error was raised from), which torchrun printed first.
+            while True:
+                before = [i for i in range(start) if lines[i].strip()]
+                if not before or lines[before[-1]] not in _CHAINED:
+                    break
+                earlier = [i for i in range(before[-1]) if lines[i] == _TRACEBACK]
+                if not earlier:
+                    break
+                start = earlier[-1]
             lines = lines[:start]
     return lines
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
 
 
 _TORCHRUN_ENDS = (
     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
     "torch.distributed.DistNetworkError",
+    # The same teardown met while the agent polls the rendezvous (raised from the above).
+    "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError",
 )
+
+
+def test_torchruns_own_chained_teardown_traceback_is_not_counted_as_ours() -> None:
+    """Seen on another node: the agent's rendezvous error raised from the store's."""
+    ending = [
+        "fsdp_testing: node 1 (vm) runs ranks of the distributed tests of this torchrun job",
+        "Traceback (most recent call last):",
+        '  File "/x/c10d_rendezvous_backend.py", line 114, in _call_store',
+        "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "/venv/bin/torchrun", line 8, in <module>',
+        "    sys.exit(main())",
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to",
+    ]
+    assert _own_lines("\n".join(ending)) == ending[:1]
+    # A traceback of a test's in the report before it stays.
+    own = ["Traceback (most recent call last):", '  File "t.py", line 1', "ValueError: x"]
+    own += ["=== 1 failed in 1.00s ==="]
+    assert _own_lines("\n".join([*own, *ending[1:]])) == own
 
 
 def test_one_report_on_the_first_node_and_one_line_on_the_other(torchrun_job: Job) -> None:
