@@ -184,9 +184,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from fsdp_testing._launch.spec import DistSpec, Mode
-    from fsdp_testing._protocol import FunctionRef, Task
-    from fsdp_testing.launcher import LaunchSettings, run_distributed
+    from core_vs_fsdp2 import _launch
 
     out_dir = tempfile.mkdtemp(prefix="fsdp-parts-")
     try:
@@ -198,14 +196,7 @@ def main() -> None:
             warmup=args.warmup,
             out_dir=out_dir,
         )
-        ref = FunctionRef(
-            module="core_step_parts", path=os.path.abspath(__file__), qualname="run_rank_parts"
-        )
-        task = Task(ref, kwargs, test_id="benchmark core_step_parts")
-        spec = DistSpec(2, backend="gloo", mode=Mode.PROCESS, timeout=1800)
-        verdict = run_distributed(task, spec, LaunchSettings(timeout=1800), pool=False)
-        if verdict.outcome != "passed":
-            raise SystemExit(f"the ranks {verdict.outcome}\n{verdict.message}")
+        _launch("run_rank_parts", "core_step_parts", kwargs, script=__file__)
         results = []
         for rank in range(2):
             with open(os.path.join(out_dir, f"parts-rank{rank}.json")) as f:

@@ -343,12 +343,15 @@ def run_rank_profile(
         json.dump(profiles, f)
 
 
-def _launch(function: str, label: str, kwargs: dict[str, Any]) -> None:
+def _launch(function: str, label: str, kwargs: dict[str, Any], *, script: str = __file__) -> None:
+    """Run ``function`` of the benchmark ``script`` (this one by default) on two fresh gloo
+    ranks."""
     from fsdp_testing._launch.spec import DistSpec, Mode
     from fsdp_testing._protocol import FunctionRef, Task
     from fsdp_testing.launcher import LaunchSettings, run_distributed
 
-    ref = FunctionRef(module="core_vs_fsdp2", path=os.path.abspath(__file__), qualname=function)
+    module = os.path.splitext(os.path.basename(script))[0]
+    ref = FunctionRef(module=module, path=os.path.abspath(script), qualname=function)
     task = Task(ref, kwargs, test_id=f"benchmark {label}")
     spec = DistSpec(2, backend="gloo", mode=Mode.PROCESS, timeout=1800)
     verdict = run_distributed(task, spec, LaunchSettings(timeout=1800), pool=False)
