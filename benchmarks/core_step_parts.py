@@ -135,7 +135,7 @@ def run_rank_parts(
     for _ in range(warmup):
         step()
     clocks.clear()
-    phases = dict.fromkeys(phases, 0.0)
+    phases.update(dict.fromkeys(phases, 0.0))
     for _ in range(steps):
         dist.barrier()
         step()

@@ -63,9 +63,8 @@ class StagingBuffers:
         size = -(-numel // per) * per
         idle = self._idle.get((dtype, size))
         buffer = idle.pop() if idle else torch.empty(size, dtype=dtype)
-        if type(buffer) is not torch.Tensor:  # under a fake mode: no memory to keep
-            return buffer[:numel]
-        self._lent[buffer.data_ptr()] = buffer
+        if type(buffer) is torch.Tensor:  # not under a fake mode, which has no memory to keep
+            self._lent[buffer.data_ptr()] = buffer
         return buffer[:numel]
 
     def give(self, tensor: torch.Tensor) -> None:
