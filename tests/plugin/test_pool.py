@@ -120,3 +120,46 @@ def test_ranks_that_cannot_reset_are_replaced_with_a_warning(pooled: tuple[Run, 
     assert pids["n"].isdisjoint(pids["m"])
     assert "could not reset their state after the last test" in run.stdout
     assert "RuntimeError: reset broken on purpose" in run.stdout
+
+
+_CLEAR_DTENSOR_CACHES = """
+import sys
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from fsdp_testing._rank.state_reset import _forget_dtensor_meshes
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = DeviceMesh("cpu", [0])
+x = DTensor.from_local(torch.ones(4), mesh, (Shard(0),))
+propagator = DTensor._op_dispatcher.sharding_propagator
+(x * 2).full_tensor()  # the C++ fast path caches this one; the Python cache backs other paths:
+python_cache = type(propagator.propagate_op_sharding)(lambda schema: schema)  # torch's class
+propagator.propagate_op_sharding = python_cache
+python_cache("a schema")
+assert python_cache.cache_info().currsize == 1
+fast_path_stats = torch._C._get_DTensor_sharding_propagator_cache_stats  # (hits, misses)
+hits, misses = fast_path_stats()
+(x * 2).full_tensor()
+assert fast_path_stats() == (hits + 1, misses), "not cached"
+_forget_dtensor_meshes()
+assert python_cache.cache_info().currsize == 0, "the Python cache kept its entries"
+(x * 2).full_tensor()
+assert fast_path_stats() != (hits + 2, misses), "the fast path's cache kept its entry"
+assert "torch.distributed.tensor.debug" not in sys.modules, "the reset imported the debug module"
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_the_dtensor_cache_reset_clears_both_caches_without_importing_torchs_debug_module() -> None:
+    """Importing ``torch.distributed.tensor.debug`` costs about 1.7 s of CPU (torch's memory
+    and runtime estimators): every new rank paid it at its first reset after a DTensor test."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CLEAR_DTENSOR_CACHES],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
