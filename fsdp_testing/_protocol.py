@@ -160,6 +160,9 @@ class GenerationSpec:
     """The process group's timeout: collectives raise after it."""
     sys_path: tuple[str, ...]
     cwd: str
+    preload: tuple[str, ...] = ()
+    """Modules that earlier ranks imported, for the forking process to import before it forks
+    these (see [Note: preloading what ranks import] in ``rank_process.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,3 +228,6 @@ class RankReset:
 
     rank: int
     traceback: str | None = None
+    imported: tuple[str, ...] = ()
+    """Preloadable modules the rank imported since its last report (see [Note: preloading what
+    ranks import] in ``rank_process.py``)."""

@@ -57,7 +57,12 @@ def _fork_rank(spec: GenerationSpec, rank: int, close_in_child: object) -> int:
 
 
 def main(address: str) -> None:
-    from fsdp_testing._launch.rank_process import connect, die_with_parent, preload
+    from fsdp_testing._launch.rank_process import (
+        connect,
+        die_with_parent,
+        preload,
+        preload_modules,
+    )
 
     die_with_parent()
     preload()  # so that forks start warm
@@ -87,6 +92,7 @@ def main(address: str) -> None:
         except (EOFError, OSError):
             msg = Stop()
         if isinstance(msg, ForkRanks):
+            preload_modules(msg.spec.preload)  # what earlier ranks imported
             pids = tuple(_fork_rank(msg.spec, r, conn) for r in range(msg.spec.world_size))
             children.update(pids)
             conn.send(Forked(pids))

@@ -113,6 +113,8 @@ class ProcessLauncher:
         self._pools: dict[tuple[int, str], _Generation] = {}
         """Warm generations by (world size, backend)."""
         self._gen_counter = 0
+        self._rank_imports: dict[str, None] = {}
+        """What ranks imported, in order (see [Note: preloading what ranks import])."""
 
     # --- the fork server ----------------------------------------------------------------------
 
@@ -180,8 +182,15 @@ class ProcessLauncher:
             pg_timeout_s=pg_timeout_s,
             sys_path=tuple(sys.path),
             cwd=os.getcwd(),
+            preload=tuple(self._rank_imports),
         )
         zconn.send(ForkRanks(spec))
+        if not zconn.poll(START_TIMEOUT_S):  # it imports what it was not yet asked to
+            self._server_proc.kill()  # type: ignore[union-attr]
+            raise RuntimeError(
+                f"fsdp_testing: the rank fork server did not fork ranks within "
+                f"{START_TIMEOUT_S:.0f} s; its log: {os.path.join(self._root, 'fork_server.log')}"
+            )
         forked = zconn.recv()
         assert isinstance(forked, Forked), f"fork server answered {forked!r} to ForkRanks"
         pids = list(forked.pids)
@@ -299,6 +308,8 @@ class ProcessLauncher:
                 failures.append(f"rank {rank} did not report its reset: it ended or hangs")
             elif msg.traceback is not None:
                 failures.append(f"rank {rank}:\n{msg.traceback}")
+            else:
+                self._rank_imports.update(dict.fromkeys(msg.imported))
         if not failures:
             return True
         import warnings

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import importlib
 import os
 import pickle
 import signal
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -36,7 +37,16 @@ from fsdp_testing._rank.run_task import run_task
 from fsdp_testing._rank.state_reset import RankState
 from fsdp_testing._report import collective_log
 
-__all__ = ["STACK_SIGNAL", "connect", "die_with_parent", "preload", "serve"]
+__all__ = [
+    "STACK_SIGNAL",
+    "ImportWatch",
+    "connect",
+    "die_with_parent",
+    "preload",
+    "preload_modules",
+    "preloadable",
+    "serve",
+]
 
 STACK_SIGNAL = signal.SIGUSR1
 """The parent sends this to a rank to have it dump every thread's stack into its log."""
@@ -64,6 +74,57 @@ def preload() -> None:
     import pytest  # noqa: F401
     import torch
     import torch.distributed  # noqa: F401
+
+
+# [Note: preloading what ranks import]
+# Beyond ``preload()``, what a rank needs depends on the tests: DTensor, torch's FSDP, dynamo
+# (which DTensor and FSDP reach for lazily) and fsdp_core cost about 5 s of CPU to import, and
+# every generation of ranks paid it again, each rank inside its first test's timeout. So each
+# rank reports the modules of ``PRELOADED_PACKAGES`` it imported (``ImportWatch``, in its
+# ``RankReset``), the parent passes all it has heard of to the next generation
+# (``GenerationSpec.preload``), and the process that forks that generation (the fork server, a
+# job's slot) imports them first (``preload_modules``): they are imported once per forking
+# process, not once per rank per generation. torch's test utilities are left out: importing
+# ``torch.testing._internal`` changes global state (it disables torch's backend flags), which
+# would then hold in every later rank, also for tests that never import them. Importing adds
+# no thread (a fork must copy a process with one), checked by the tests.
+
+PRELOADED_PACKAGES = ("torch", "fsdp_core")
+NOT_PRELOADED = ("torch.testing._internal",)
+
+
+def preloadable(name: str) -> bool:
+    """Whether the forking process imports module ``name`` once a rank has imported it."""
+    package = name.partition(".")[0]
+    if package not in PRELOADED_PACKAGES:
+        return False
+    return not any(name == skip or name.startswith(skip + ".") for skip in NOT_PRELOADED)
+
+
+class ImportWatch:
+    """The preloadable modules this process imported since the last call to ``new()``."""
+
+    def __init__(self) -> None:
+        self._seen = len(sys.modules)
+
+    def new(self) -> tuple[str, ...]:
+        if len(sys.modules) == self._seen:  # the common case, in O(1)
+            return ()
+        names = list(sys.modules)[self._seen :]  # dicts keep insertion order
+        self._seen = len(sys.modules)
+        return tuple(name for name in names if preloadable(name))
+
+
+def preload_modules(names: Iterable[str]) -> None:
+    """Import each of ``names`` not yet imported, in order (a rank's import order: a package
+    before its submodules). One that fails is left to the ranks, which will say why."""
+    for name in names:
+        if name in sys.modules or not preloadable(name):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # e.g. a module made at run time, with no file to import
+            print(f"fsdp_testing: not preloaded: {name} ({type(exc).__name__}: {exc})")
 
 
 def connect(address: str) -> Connection:
@@ -109,6 +170,8 @@ def serve(
     router = install_router(tee=log)
     import torch.distributed as dist
 
+    imports = ImportWatch()
+
     conn.send(RankReady(rank, os.getpid()))
     while True:
         try:
@@ -148,7 +211,7 @@ def serve(
         except BaseException:
             conn.send(RankReset(rank, traceback.format_exc()))
             os._exit(1)
-        conn.send(RankReset(rank))
+        conn.send(RankReset(rank, imported=imports.new()))
 
 
 def _join(rank: int, spec: GenerationSpec) -> RankContext:

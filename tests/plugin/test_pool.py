@@ -163,3 +163,64 @@ def test_the_dtensor_cache_reset_clears_both_caches_without_importing_torchs_deb
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_new_ranks_start_with_the_modules_earlier_ranks_imported(pooled: tuple[Run, dict]) -> None:
+    """See [Note: preloading what ranks import] in fsdp_testing/_launch/rank_process.py."""
+    run, pids = pooled
+    assert run.cases["test_q_imports_a_module"].outcome == "passed"
+    assert run.cases["test_r_fails_on_every_rank"].outcome == "failed"
+    case = run.cases["test_s_new_ranks_start_with_what_earlier_ranks_imported"]
+    assert case.outcome == "passed", case.text
+    assert pids["s"].isdisjoint(pids["q"])
+
+
+_REPORT = """
+import json
+from fsdp_testing._launch.rank_process import ImportWatch, preload
+
+preload()
+watch = ImportWatch()
+import torch.distributed.tensor, torch.distributed.fsdp, torch._dynamo, fsdp_core, json.tool
+import torch.testing._internal.common_utils
+names = watch.new()
+assert watch.new() == ()
+print(json.dumps(names))
+"""
+
+_PRELOAD = """
+import json, os, sys
+from fsdp_testing._launch.rank_process import preload, preload_modules
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+preload()
+before = threads()
+preload_modules([*json.loads(sys.argv[1]), "torch.testing._internal.common_utils", "json.tool"])
+assert "torch.distributed.tensor" in sys.modules and "torch._dynamo" in sys.modules
+assert "fsdp_core" in sys.modules
+assert "torch.testing._internal.common_utils" not in sys.modules and "json.tool" not in sys.modules
+assert threads() == before, f"{threads()} threads after preloading, {before} before"
+print("ok")
+"""
+
+
+def test_ranks_report_what_they_imported_and_preloading_it_starts_no_thread() -> None:
+    """What a rank reports: modules of torch and fsdp_core, not torch's test utilities (their
+    import changes global state). A fork copies one thread: preloading must start none."""
+    import subprocess
+    import sys
+
+    def run(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", *args], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    names = json.loads(run(_REPORT))
+    assert "torch.distributed.tensor" in names and "fsdp_core" in names, names
+    assert all(n.partition(".")[0] in ("torch", "fsdp_core") for n in names), names
+    assert not [n for n in names if n.startswith("torch.testing._internal")], names
+    assert run(_PRELOAD, json.dumps(names)) == "ok"

@@ -184,3 +184,21 @@ def test_p_after_a_failure_on_every_rank(rank):
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     assert t.item() == 3
+
+
+@pytest.mark.distributed(world_size=2)
+def test_q_imports_a_module(rank):
+    _note("q", rank)
+    import torch.distributed.pipelining  # noqa: F401  (imported by nothing before)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_r_fails_on_every_rank(rank):
+    _note("r", rank)
+    raise AssertionError("every rank fails: the next test gets new ranks")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_s_new_ranks_start_with_what_earlier_ranks_imported(rank):
+    _note("s", rank)
+    assert "torch.distributed.pipelining" in sys.modules, "the fork server did not preload it"
