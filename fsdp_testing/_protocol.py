@@ -128,6 +128,9 @@ class RankResult:
     """The failure came from a collective broken by a peer, not from the test body's logic."""
     needs_restart: bool = False
     """The rank cannot serve another test (e.g. the body destroyed the default group)."""
+    imported: tuple[str, ...] = ()
+    """Preloadable modules the rank imported since its last result (see [Note: preloading what
+    ranks import] in ``fsdp_testing/_launch/rank_process.py``)."""
 
     @classmethod
     def harness_failure(cls, rank: int, summary: str) -> RankResult:
@@ -228,6 +231,3 @@ class RankReset:
 
     rank: int
     traceback: str | None = None
-    imported: tuple[str, ...] = ()
-    """Preloadable modules the rank imported since its last report (see [Note: preloading what
-    ranks import] in ``rank_process.py``)."""

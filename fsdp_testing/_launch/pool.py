@@ -308,8 +308,6 @@ class ProcessLauncher:
                 failures.append(f"rank {rank} did not report its reset: it ended or hangs")
             elif msg.traceback is not None:
                 failures.append(f"rank {rank}:\n{msg.traceback}")
-            else:
-                self._rank_imports.update(dict.fromkeys(msg.imported))
         if not failures:
             return True
         import warnings
@@ -342,6 +340,7 @@ class ProcessLauncher:
                     deadline.note_failure()
                     continue
                 obs.results[rank] = result
+                self._rank_imports.update(dict.fromkeys(result.imported))
                 if result.outcome is Outcome.FAILED:
                     deadline.note_failure()
         obs.stragglers = set(pending.values())

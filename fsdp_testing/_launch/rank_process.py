@@ -80,8 +80,8 @@ def preload() -> None:
 # Beyond ``preload()``, what a rank needs depends on the tests: DTensor, torch's FSDP, dynamo
 # (which DTensor and FSDP reach for lazily) and fsdp_core cost about 5 s of CPU to import, and
 # every generation of ranks paid it again, each rank inside its first test's timeout. So each
-# rank reports the modules of ``PRELOADED_PACKAGES`` it imported (``ImportWatch``, in its
-# ``RankReset``), the parent passes all it has heard of to the next generation
+# rank reports the modules of ``PRELOADED_PACKAGES`` it imported (``ImportWatch``, with each
+# ``RankResult``), the parent passes all it has heard of to the next generation
 # (``GenerationSpec.preload``), and the process that forks that generation (the fork server, a
 # job's slot) imports them first (``preload_modules``): they are imported once per forking
 # process, not once per rank per generation. torch's test utilities are left out: importing
@@ -194,6 +194,7 @@ def serve(
             result = run_task(task, ctx, router)
         if not dist.is_initialized():
             result.needs_restart = True
+        result.imported = imports.new()
         try:
             conn.send(result)
         except (OSError, pickle.PicklingError):
@@ -211,7 +212,7 @@ def serve(
         except BaseException:
             conn.send(RankReset(rank, traceback.format_exc()))
             os._exit(1)
-        conn.send(RankReset(rank, imported=imports.new()))
+        conn.send(RankReset(rank))
 
 
 def _join(rank: int, spec: GenerationSpec) -> RankContext:
