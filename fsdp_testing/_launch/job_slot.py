@@ -3,10 +3,10 @@
 Every process a launcher starts, except the first (global rank 0), becomes a slot instead of a
 pytest session (``plugin.pytest_cmdline_main``); the first process starts a helper process that
 is its own slot (``python -m fsdp_testing._launch.job_slot``). A slot imports what its ranks
-need once (``rank_process.preload``) and never joins a process group itself: for each world
-the coordinator asks for, it forks a rank process (``rank_process.serve``) that joins that world
-through the job's store. A rank that hangs or dies is dumped, killed and replaced while its
-slot keeps talking to the coordinator.
+need (``rank_process.preload``, then what its earlier ranks imported: ``preload_modules``) and
+never joins a process group itself: for each world the coordinator asks for, it forks a rank
+process (``rank_process.serve``) that joins that world through the job's store. A rank that
+hangs or dies is dumped, killed and replaced while its slot keeps talking to the coordinator.
 Messages and keys: [Note: job protocol] in ``job_messages.py``.
 """
 
@@ -43,7 +43,7 @@ from fsdp_testing._launch.job_messages import (
     connect_store,
     take,
 )
-from fsdp_testing._launch.rank_process import die_with_parent, preload, serve
+from fsdp_testing._launch.rank_process import die_with_parent, preload, preload_modules, serve
 from fsdp_testing._launch.torchrun import JobEnv, job_env
 from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
 from fsdp_testing._rank.context import RankContext
@@ -111,9 +111,8 @@ class _Child:
 
 
 def _split_dump(log: str) -> tuple[str, str]:
-    """A straggler's log: (what it printed, the stack dump that SIGUSR1 appended), without the
-    frames the rank process inherited from its slot when it was forked (a slot forks deep
-    inside pytest's own ``main``: those frames are not the rank's)."""
+    """A straggler's log: (what it printed, its SIGUSR1 stack dump) without the frames it
+    inherited from its slot, which forked it deep inside pytest's own ``main``."""
     output, stack = log, ""
     for marker in ("Thread 0x", "Current thread 0x"):
         at = log.find(marker)
@@ -177,6 +176,7 @@ class Slot:
         self._last_message = time.monotonic()
         self._stopping = False
         """Set while the rank processes are stopped at the end: the store may be gone."""
+        self._imports: dict[str, None] = {}  # see [Note: preloading what ranks import]
 
     # --- the store ------------------------------------------------------------------------
 
@@ -307,6 +307,7 @@ class Slot:
             sys_path=msg.sys_path,
             cwd=msg.cwd,
         )
+        preload_modules(self._imports, beat=self._beat)  # what its earlier ranks imported
         pid = os.fork()
         if pid == 0:
             self._become_rank(msg, spec)
@@ -403,6 +404,7 @@ class Slot:
                     self._post(key, Died(status, child.read_log(4000), child.records()))
                     return
                 self._post(key, Finished(result, child.records()))
+                self._imports.update(dict.fromkeys(result.imported))
                 if result.needs_restart:
                     self._kill(self._children.pop(msg.gen))
                 else:
@@ -488,10 +490,9 @@ class Slot:
 
 
 def serve_slot(job: JobEnv, *, helper: bool = False) -> int:
-    """Run this process as slot ``job.rank`` until the session releases it; return the exit
-    status to leave with (the session's, or 1 when it vanished without releasing this slot).
-    ``helper``: this is the first process's own slot, a process it started (which prints
-    nothing; otherwise the first process of every other node prints where the report is)."""
+    """Serve as slot ``job.rank`` until the session releases it; return the exit status to
+    leave with (the session's; 1 if it vanished without releasing this slot). ``helper``: the
+    first process's own slot (silent; other nodes' first processes say where the report is)."""
     preload()  # its ranks start warm, as the fork server's do
     try:
         store = connect_store(job, host=False)

@@ -16,6 +16,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -115,16 +116,37 @@ class ImportWatch:
         return tuple(name for name in names if preloadable(name))
 
 
-def preload_modules(names: Iterable[str]) -> None:
+def preload_modules(names: Iterable[str], *, beat: Callable[[], None] | None = None) -> None:
     """Import each of ``names`` not yet imported, in order (a rank's import order: a package
-    before its submodules). One that fails is left to the ranks, which will say why."""
-    for name in names:
-        if name in sys.modules or not preloadable(name):
-            continue
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # e.g. a module made at run time, with no file to import
-            print(f"fsdp_testing: not preloaded: {name} ({type(exc).__name__}: {exc})")
+    before its submodules). One that fails is left to the ranks, which will say why.
+
+    ``beat``: called every 0.1 s from a thread meanwhile (a job's slot stays alive for the
+    coordinator); the thread has ended when this returns, so the caller may fork.
+    """
+    names = [name for name in names if name not in sys.modules and preloadable(name)]
+    if not names:
+        return
+    done = threading.Event()
+    beater = threading.Thread(target=lambda: _beat_until(done, beat), daemon=True)
+    if beat is not None:
+        beater.start()
+    try:
+        for name in names:
+            if name in sys.modules:  # imported with an earlier one
+                continue
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # e.g. a module made at run time, with no file to import
+                print(f"fsdp_testing: not preloaded: {name} ({type(exc).__name__}: {exc})")
+    finally:
+        done.set()
+        if beat is not None:
+            beater.join()
+
+
+def _beat_until(done: threading.Event, beat: Callable[[], None] | None) -> None:
+    while beat is not None and not done.wait(0.1):
+        beat()
 
 
 def connect(address: str) -> Connection:

@@ -234,6 +234,17 @@ def test_a_failure_on_every_rank_leaves_the_next_test_new_ranks(torchrun_job: Jo
     assert torchrun_job.case("test_after_a_failure_on_every_rank") == ("passed", "")
 
 
+def test_new_ranks_on_every_node_start_with_what_earlier_ranks_imported(torchrun_job: Job) -> None:
+    """Each slot imports what its earlier ranks imported before it forks new ones (see [Note:
+    preloading what ranks import] in fsdp_testing/_launch/rank_process.py)."""
+    assert torchrun_job.case("test_imports_a_module") == ("passed", "")
+    assert torchrun_job.case("test_fails_on_every_rank_after_the_import")[0] == "failed"
+    assert torchrun_job.case("test_new_ranks_start_with_what_earlier_ranks_imported") == (
+        "passed",
+        "",
+    )
+
+
 def _own_lines(output: str) -> list[str]:
     """Lines of a torchrun command's output that are not torchrun's own (its banner, its agent's
     logging and the failure summary it prints when its workers exit non-zero)."""
@@ -309,9 +320,9 @@ def test_torchruns_own_chained_teardown_traceback_is_not_counted_as_ours() -> No
 
 def test_one_report_on_the_first_node_and_one_line_on_the_other(torchrun_job: Job) -> None:
     first, other = (_own_lines(out) for out in torchrun_job.outputs)
-    assert len(torchrun_job.cases) == 16, "the JUnit XML holds every test"
+    assert len(torchrun_job.cases) == 19, "the JUnit XML holds every test"
     assert sum("short test summary info" in line for line in first) == 1
-    assert re.match(r"=+ 5 failed, 10 passed, 1 skipped" + SESSION_END, first[-1]), first[-1]
+    assert re.match(r"=+ 6 failed, 12 passed, 1 skipped" + SESSION_END, first[-1]), first[-1]
     assert len(other) == 1, other
     assert other[0].startswith("fsdp_testing: node 1 ("), other[0]
     assert "of this torchrun job; the report is on node 0 (" in other[0]

@@ -197,7 +197,10 @@ def threads():
 
 preload()
 before = threads()
-preload_modules([*json.loads(sys.argv[1]), "torch.testing._internal.common_utils", "json.tool"])
+beats = []  # a job's slot beats while it preloads
+extra = ["torch.testing._internal.common_utils", "json.tool"]
+preload_modules([*json.loads(sys.argv[1]), *extra], beat=lambda: beats.append(threads()))
+assert beats and min(beats) == before + 1, beats  # called from one thread of its own
 assert "torch.distributed.tensor" in sys.modules and "torch._dynamo" in sys.modules
 assert "fsdp_core" in sys.modules
 assert "torch.testing._internal.common_utils" not in sys.modules and "json.tool" not in sys.modules
@@ -208,7 +211,8 @@ print("ok")
 
 def test_ranks_report_what_they_imported_and_preloading_it_starts_no_thread() -> None:
     """What a rank reports: modules of torch and fsdp_core, not torch's test utilities (their
-    import changes global state). A fork copies one thread: preloading must start none."""
+    import changes global state). A fork copies one thread: preloading must leave none (its
+    beat, for a job's slot, runs in a thread that has ended when it returns)."""
     import subprocess
     import sys
 

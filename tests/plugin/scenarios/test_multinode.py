@@ -2,6 +2,7 @@
 this host, or four processes with the variables srun sets)."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -91,6 +92,21 @@ def test_after_a_failure_on_every_rank(rank):
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     assert t.item() == 10
+
+
+@pytest.mark.distributed(world_size=4)
+def test_imports_a_module(rank):
+    import torch.distributed.pipelining  # noqa: F401  (imported by nothing before)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_fails_on_every_rank_after_the_import(rank):
+    raise AssertionError("every rank fails: the next test gets new ranks")
+
+
+@pytest.mark.distributed(world_size=4)
+def test_new_ranks_start_with_what_earlier_ranks_imported(rank):
+    assert "torch.distributed.pipelining" in sys.modules, "its slot did not preload it"
 
 
 @pytest.mark.distributed(world_size=8)
