@@ -87,8 +87,8 @@ def preload() -> None:
 # job's slot) imports them first (``preload_modules``): they are imported once per forking
 # process, not once per rank per generation. torch's test utilities are left out: importing
 # ``torch.testing._internal`` changes global state (it disables torch's backend flags), which
-# would then hold in every later rank, also for tests that never import them. Importing adds
-# no thread (a fork must copy a process with one), checked by the tests.
+# would then hold in every later rank, also for tests that never import them. Importing starts
+# no thread (a process is safe to fork only while it runs one), checked by the tests.
 
 PRELOADED_PACKAGES = ("torch", "fsdp_core")
 NOT_PRELOADED = ("torch.testing._internal",)
@@ -123,12 +123,13 @@ def preload_modules(names: Iterable[str], *, beat: Callable[[], None] | None = N
     ``beat``: called every 0.1 s from a thread meanwhile (a job's slot stays alive for the
     coordinator); the thread has ended when this returns, so the caller may fork.
     """
-    names = [name for name in names if name not in sys.modules and preloadable(name)]
+    names = [n for n in names if n not in sys.modules and n not in _FAILED and preloadable(n)]
     if not names:
         return
     done = threading.Event()
-    beater = threading.Thread(target=lambda: _beat_until(done, beat), daemon=True)
+    beater = None
     if beat is not None:
+        beater = threading.Thread(target=_beat_until, args=(done, beat), daemon=True)
         beater.start()
     try:
         for name in names:
@@ -137,15 +138,20 @@ def preload_modules(names: Iterable[str], *, beat: Callable[[], None] | None = N
             try:
                 importlib.import_module(name)
             except Exception as exc:  # e.g. a module made at run time, with no file to import
+                _FAILED.add(name)  # not tried again
                 print(f"fsdp_testing: not preloaded: {name} ({type(exc).__name__}: {exc})")
     finally:
         done.set()
-        if beat is not None:
+        if beater is not None:
             beater.join()
 
 
-def _beat_until(done: threading.Event, beat: Callable[[], None] | None) -> None:
-    while beat is not None and not done.wait(0.1):
+_FAILED: set[str] = set()
+"""Modules ``preload_modules`` could not import in this process."""
+
+
+def _beat_until(done: threading.Event, beat: Callable[[], None]) -> None:
+    while not done.wait(0.1):
         beat()
 
 

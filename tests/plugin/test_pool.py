@@ -186,6 +186,7 @@ import torch.testing._internal.common_utils
 names = watch.new()
 assert watch.new() == ()
 print(json.dumps(names))
+print("ok")
 """
 
 _PRELOAD = """
@@ -198,9 +199,10 @@ def threads():
 preload()
 before = threads()
 beats = []  # a job's slot beats while it preloads
-extra = ["torch.testing._internal.common_utils", "json.tool"]
+extra = ["torch.testing._internal.common_utils", "json.tool", "torch.not_a_module"]
 preload_modules([*json.loads(sys.argv[1]), *extra], beat=lambda: beats.append(threads()))
 assert beats and min(beats) == before + 1, beats  # called from one thread of its own
+preload_modules(["torch.not_a_module"])  # not tried again: it says so once
 assert "torch.distributed.tensor" in sys.modules and "torch._dynamo" in sys.modules
 assert "fsdp_core" in sys.modules
 assert "torch.testing._internal.common_utils" not in sys.modules and "json.tool" not in sys.modules
@@ -212,7 +214,8 @@ print("ok")
 def test_ranks_report_what_they_imported_and_preloading_it_starts_no_thread() -> None:
     """What a rank reports: modules of torch and fsdp_core, not torch's test utilities (their
     import changes global state). A fork copies one thread: preloading must leave none (its
-    beat, for a job's slot, runs in a thread that has ended when it returns)."""
+    beat, for a job's slot, runs in a thread that has ended when it returns). A module that
+    does not import is said once and not tried again."""
     import subprocess
     import sys
 
@@ -220,11 +223,14 @@ def test_ranks_report_what_they_imported_and_preloading_it_starts_no_thread() ->
         done = subprocess.run(
             [sys.executable, "-c", *args], capture_output=True, text=True, timeout=300
         )
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout.strip().splitlines()[-1]
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+            done.stdout + done.stderr
+        )
+        return done.stdout
 
-    names = json.loads(run(_REPORT))
+    names = json.loads(run(_REPORT).splitlines()[-2])
     assert "torch.distributed.tensor" in names and "fsdp_core" in names, names
     assert all(n.partition(".")[0] in ("torch", "fsdp_core") for n in names), names
     assert not [n for n in names if n.startswith("torch.testing._internal")], names
-    assert run(_PRELOAD, json.dumps(names)) == "ok"
+    said = run(_PRELOAD, json.dumps(names))
+    assert said.count("not preloaded: torch.not_a_module (ModuleNotFoundError") == 1, said
