@@ -125,13 +125,13 @@ def _forget_dtensor_meshes() -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
-    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if not hasattr(propagate, "cache_clear") or clear_fast_path is None:
-        # torch moved them: its own (slower to import) way
+    try:
+        clear_python = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
+        clear_fast_path = torch._C._clear_DTensor_sharding_propagator_cache
+    except AttributeError:  # torch moved them: its own (slower to import) way
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
         return
-    propagate.cache_clear()
+    clear_python()
     clear_fast_path()
