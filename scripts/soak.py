@@ -141,7 +141,11 @@ def _tagged(tag: str) -> list[int]:
 
 
 def soak(n: int, max_rss_growth_mib: float) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="fsdp-testing-soak-"))
+    with tempfile.TemporaryDirectory(prefix="fsdp-testing-soak-") as work:
+        return _soak(Path(work), n, max_rss_growth_mib)
+
+
+def _soak(work: Path, n: int, max_rss_growth_mib: float) -> dict:
     kinds = _kinds(n)
     (work / "test_soak.py").write_text(SCENARIO.format(kinds=kinds))
     (work / "conftest.py").write_text(PROBE)

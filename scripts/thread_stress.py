@@ -92,7 +92,11 @@ def _bound(world_size: int) -> float:
 
 
 def stress(rounds: int, world_size: int) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="fsdp-testing-thread-stress-"))
+    with tempfile.TemporaryDirectory(prefix="fsdp-testing-thread-stress-") as work:
+        return _stress(Path(work), rounds, world_size)
+
+
+def _stress(work: Path, rounds: int, world_size: int) -> dict:
     (work / "test_stress.py").write_text(
         SCENARIO.format(world_size=world_size, rounds=rounds, timeout=TIMEOUT_S)
     )

@@ -86,6 +86,9 @@ def test_torchrun_runs_tests_in_place_and_rank_zero_reports(tmp_path: Path) -> N
         capture_output=True,
         text=True,
         timeout=300,
+        # torchrun's agent makes a log directory (torchelastic_*) in the temporary directory
+        # and leaves it there: keep it under the test's own.
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     out = proc.stdout
     assert proc.returncode != 0  # one test fails on rank 1
