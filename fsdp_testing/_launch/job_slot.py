@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -44,6 +43,7 @@ from fsdp_testing._launch.job_messages import (
     take,
 )
 from fsdp_testing._launch.rank_process import die_with_parent, preload, preload_modules, serve
+from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._launch.torchrun import JobEnv, job_env
 from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
 from fsdp_testing._rank.context import RankContext
@@ -165,7 +165,7 @@ class Slot:
         self._rank = job.rank
         self._store = store
         self._announce = announce
-        self._root = tempfile.mkdtemp(prefix=f"fsdp-testing-slot{job.rank}-")
+        self._root = socket_root(f"fsdp-testing-slot{job.rank}-")
         self._address = os.path.join(self._root, "ctl.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self._address)
@@ -490,20 +490,20 @@ class Slot:
 
 
 def serve_slot(job: JobEnv, *, helper: bool = False) -> int:
-    """Serve as slot ``job.rank`` until the session releases it; return the exit status to
-    leave with (the session's; 1 if it vanished without releasing this slot). ``helper``: the
-    first process's own slot (silent; other nodes' first processes say where the report is)."""
+    """Serve as slot ``job.rank`` until the session releases it; return the exit status (the
+    session's; 1 if it vanished first). ``helper``: the first process's own (silent) slot."""
     preload()  # its ranks start warm, as the fork server's do
+    lost = "could not start its slot"  # a slot's own folder and socket come first
     try:
-        store = connect_store(job, host=False)
-        return Slot(job, store, announce=not helper, helper=helper).serve()
+        slot = Slot(job, connect_store(job, host=False), announce=not helper, helper=helper)
+        lost = "lost the job's store: the session on rank 0 ended without releasing it"
+        return slot.serve()
     except KeyboardInterrupt:
         return 2
     except Exception as exc:
         sys.stderr.write(
-            f"fsdp_testing: rank {job.rank} lost the job's store at {job.master_addr}:"
-            f"{job.master_port} ({type(exc).__name__}: {str(exc).splitlines()[0]}): the "
-            "session on rank 0 ended without releasing this process\n"
+            f"fsdp_testing: rank {job.rank} {lost} (store {job.master_addr}:{job.master_port}; "
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})\n"
         )
         return 1
 

@@ -35,12 +35,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._protocol import (
     RESET_TIMEOUT_S,
     Forked,
@@ -105,7 +105,7 @@ class ProcessLauncher:
     crosses_processes = True
 
     def __init__(self) -> None:
-        self._root = tempfile.mkdtemp(prefix="fsdp-testing-")
+        self._root = socket_root("fsdp-testing-")
         self._address = os.path.join(self._root, "ctl.sock")
         self._server: socket.socket | None = None
         self._server_proc: subprocess.Popen[bytes] | None = None

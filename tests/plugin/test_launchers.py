@@ -69,6 +69,8 @@ def test_xdist_runs_many_distributed_tests_three_times(tmp_path: Path) -> None:
 def test_torchrun_runs_tests_in_place_and_rank_zero_reports(tmp_path: Path) -> None:
     shutil.copy(SCENARIOS / "test_torchrun.py", tmp_path / "test_torchrun.py")
     torchrun = str(Path(sys.executable).with_name("torchrun"))
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
     proc = subprocess.run(
         [
             torchrun,
@@ -87,8 +89,9 @@ def test_torchrun_runs_tests_in_place_and_rank_zero_reports(tmp_path: Path) -> N
         text=True,
         timeout=300,
         # torchrun's agent makes a log directory (torchelastic_*) in the temporary directory
-        # and leaves it there: keep it under the test's own.
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        # and leaves it there: keep it under the test's own, and make that too deep for a
+        # socket's address (a job's scratch folder can be), where the slots cannot listen.
+        env={**os.environ, "TMPDIR": str(deep)},
     )
     out = proc.stdout
     assert proc.returncode != 0  # one test fails on rank 1

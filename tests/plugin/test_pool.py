@@ -234,3 +234,39 @@ def test_ranks_report_what_they_imported_and_preloading_it_starts_no_thread() ->
     assert not [n for n in names if n.startswith("torch.testing._internal")], names
     said = run(_PRELOAD, json.dumps(names))
     assert said.count("not preloaded: torch.not_a_module (ModuleNotFoundError") == 1, said
+
+
+def test_a_temporary_directory_too_deep_for_a_socket_puts_the_launcher_in_a_short_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's scratch folder or a test's tmp_path can be too deep for an AF_UNIX address (108
+    bytes on Linux): binding the pool's control socket there failed, so the launcher's folder
+    goes to /tmp (or /dev/shm) instead, still private."""
+    import socket
+    import stat
+    import tempfile
+
+    from fsdp_testing._launch.socket_root import socket_root
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(OSError, match="AF_UNIX path too long"):
+        socket.socket(socket.AF_UNIX).bind(str(deep / "fsdp-testing-abcdefgh" / "ctl.sock"))
+    root = socket_root("fsdp-testing-")
+    try:
+        assert not root.startswith(str(deep)) and Path(root).parent in (
+            Path("/tmp"),
+            Path("/dev/shm"),
+        )
+        assert stat.S_IMODE(Path(root).stat().st_mode) == 0o700
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(Path(root) / "ctl.sock"))
+    finally:
+        Path(root, "ctl.sock").unlink(missing_ok=True)
+        Path(root).rmdir()
+    shallow = tmp_path / "s"
+    shallow.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shallow))
+    root = socket_root("fsdp-testing-")
+    assert Path(root).parent == shallow
