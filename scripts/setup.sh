@@ -7,7 +7,15 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+if ! .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,plot]'
+# The editable install is redone only when pyproject.toml (its dependencies and entry points)
+# or the checkout's path changed: pip's own no-op pass costs about 18 s (a build environment).
+stamp=.venv/.fsdp-testing-installed
+want="$PWD $(.venv/bin/python -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x .venv/bin/fsdp-testing ]; then
+  rm -f "$stamp"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,plot]'
+  echo "$want" >"$stamp"
+fi
