@@ -265,10 +265,10 @@ def _allow_cpu_in_gpu_gates() -> None:
 def _bare_rank(
     rank: int, path: str, class_name: str, method: str, world_size: int, port: int, out: str
 ) -> None:
-    """One rank of a bare run: join a gloo group, build the test case, call the method."""
+    """One rank of a bare run, forked with the gates already given ``allow_cpu``: join a gloo
+    group, build the test case, call the method."""
     import torch.distributed as dist
 
-    _allow_cpu_in_gpu_gates()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -313,11 +313,15 @@ def run_bare(target: str, world_size: int) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # torch and its harness modules are imported once, here, and the ranks are forked: plain
+    # processes all the same (spawned ones would import torch again each, seconds apiece).
+    _allow_cpu_in_gpu_gates()
     with tempfile.TemporaryDirectory(prefix="torch-bare-") as out:
-        mp.spawn(
+        mp.start_processes(
             _bare_rank,
             args=(str(Path(path).resolve()), class_name, method, world_size, port, out),
             nprocs=world_size,
+            start_method="fork",
         )
         failed = False
         for rank in range(world_size):
