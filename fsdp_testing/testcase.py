@@ -31,6 +31,7 @@ from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
+from fsdp_testing._report.text import add_note
 from fsdp_testing._unittest.assertions import TestCase
 from fsdp_testing._unittest.world import (
     WorldChoice,
@@ -130,7 +131,7 @@ def run_subtests(
         except unittest.SkipTest:
             raise
         except BaseException as exc:
-            exc.add_note(f"subtest {label}")
+            add_note(exc, f"subtest {label}")
             raise
         if dist.is_initialized():
             dist.barrier()
@@ -394,7 +395,7 @@ class _DistributedTestCase(TestCase):
             if self._dist_mode() in (Mode.THREAD, Mode.LOCAL):
                 self.perThreadSetUp()
         except BaseException as exc:
-            exc.add_note(f"in setUpRank on rank {ctx.rank}")
+            add_note(exc, f"in setUpRank on rank {ctx.rank}")
             raise
         try:
             with (

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fsdp_testing import patching as _patching
 from fsdp_testing._protocol import ENGINE_ENV
+from fsdp_testing._report.text import add_note
 from fsdp_testing._unittest.world import cpu_world_size
 from fsdp_testing.engines import engine_for, use_engine
 from fsdp_testing.parity import FSDPParityMixin
@@ -294,7 +295,7 @@ def compiled_fsdp_test(compile_compute_on_module: type | None = None) -> Callabl
                 try:
                     func(*args, **kwargs)
                 except BaseException as error:
-                    error.add_note(f"compiled_fsdp_test: in the {mode.value} run")
+                    add_note(error, f"compiled_fsdp_test: in the {mode.value} run")
                     raise
                 finally:
                     _barrier()

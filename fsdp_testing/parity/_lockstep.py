@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._report.text import add_note
 from ..engines import FSDPEngine, resolve_engine, use_engine
 from ..engines._base import default_process_group
 from ..models import (
@@ -151,9 +152,10 @@ class Lockstep:
             except Exception as error:
                 # Keep the engine's own exception (its type says what kind of mistake it is);
                 # say which model and engine it came from.
-                error.add_note(
+                add_note(
+                    error,
                     f"while initializing {model_class.__name__} with engine {engine.name!r} "
-                    f"(fsdp_init_mode={fsdp_init_mode}, kwargs={fsdp_kwargs})"
+                    f"(fsdp_init_mode={fsdp_init_mode}, kwargs={fsdp_kwargs})",
                 )
                 raise
             if not engine.is_wrapped(model):
