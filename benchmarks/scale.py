@@ -100,8 +100,16 @@ def _run(work: Path, name: str, source: str) -> tuple[list[float], float]:
     path.write_text(textwrap.dedent(source))
     out, xml = work / f"{name}.json", work / f"{name}.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-         path.name],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            path.name,
+        ],
         cwd=work,
         capture_output=True,
         text=True,

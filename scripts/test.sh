@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up, ruff, mypy, the documentation (mkdocs, strict), then pytest.
+# The whole test suite: set-up, ruff (lint and format), mypy, the documentation (mkdocs, strict),
+# then pytest.
 # pytest's "no tests collected" (exit 5) is a failure here, not a pass.
 # Tests run on two pytest-xdist workers, a test file per worker at a time (--dist loadfile keeps
 # a file's module-scoped scenario runs in one worker): most of a distributed test's time is spent
@@ -8,6 +9,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh || exit 1
 .venv/bin/ruff check fsdp_testing src tests examples benchmarks conftest.py || exit 1
+.venv/bin/ruff format --check --quiet fsdp_testing src tests examples benchmarks conftest.py || exit 1
 .venv/bin/mypy || exit 1
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT

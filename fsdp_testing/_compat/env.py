@@ -90,7 +90,6 @@ DEFAULT_WORLD_SIZE = 4
 """``MultiProcessTestCase``'s default world size, as torch's."""
 
 
-
 class LazyVal:
     """A value computed on first use (``bool()``, ``str()``, ``==``), as torch's ``LazyVal``.
 

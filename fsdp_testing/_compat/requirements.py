@@ -62,6 +62,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 ACCELERATOR_DIST_BACKENDS = ["nccl", "xccl", "hccl"]
 DDP_RANK_DEVICES = ["cuda", "xpu"]
 
+
 def current_world_size() -> int | None:
     """The world size of the test running on this rank (``world.running_world_size``), else
     ``$WORLD_SIZE``, else None."""

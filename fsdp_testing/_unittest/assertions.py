@@ -222,6 +222,7 @@ def compare(x: object, y: object, opts: _Options, path: str = "") -> str | None:
 SEED = 1234
 """torch's default test seed."""
 
+
 def set_rng_seed(seed: int | None = None) -> None:
     """Seed torch, ``random`` and numpy (when installed) with ``seed`` (default :data:`SEED`).
 
