@@ -165,8 +165,7 @@ class Slot:
         self._rank = job.rank
         self._store = store
         self._announce = announce
-        self._root = socket_root(f"fsdp-testing-slot{job.rank}-")
-        self._address = os.path.join(self._root, "ctl.sock")
+        self._root, self._address = socket_root(f"fsdp-testing-slot{job.rank}-")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self._address)
         self._listener.listen(4)

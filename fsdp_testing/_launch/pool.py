@@ -105,8 +105,7 @@ class ProcessLauncher:
     crosses_processes = True
 
     def __init__(self) -> None:
-        self._root = socket_root("fsdp-testing-")
-        self._address = os.path.join(self._root, "ctl.sock")
+        self._root, self._address = socket_root("fsdp-testing-")
         self._server: socket.socket | None = None
         self._server_proc: subprocess.Popen[bytes] | None = None
         self._zconn: Connection | None = None

@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import json
+import socket
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from fsdp_testing._launch.socket_root import socket_root
 
 from .._scenario import Run, processes_tagged, run_scenario
 
@@ -242,31 +247,23 @@ def test_a_temporary_directory_too_deep_for_a_socket_puts_the_launcher_in_a_shor
     """A job's scratch folder or a test's tmp_path can be too deep for an AF_UNIX address (108
     bytes on Linux): binding the pool's control socket there failed, so the launcher's folder
     goes to /tmp (or /dev/shm) instead, still private."""
-    import socket
-    import stat
-    import tempfile
-
-    from fsdp_testing._launch.socket_root import socket_root
-
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     with pytest.raises(OSError, match="AF_UNIX path too long"):
         socket.socket(socket.AF_UNIX).bind(str(deep / "fsdp-testing-abcdefgh" / "ctl.sock"))
-    root = socket_root("fsdp-testing-")
+    root, address = socket_root("fsdp-testing-")
     try:
-        assert not root.startswith(str(deep)) and Path(root).parent in (
-            Path("/tmp"),
-            Path("/dev/shm"),
-        )
+        assert Path(address).parent == Path(root)
+        assert Path(root).parent in (Path("/tmp"), Path("/dev/shm"))
         assert stat.S_IMODE(Path(root).stat().st_mode) == 0o700
         with socket.socket(socket.AF_UNIX) as server:
-            server.bind(str(Path(root) / "ctl.sock"))
+            server.bind(address)
     finally:
-        Path(root, "ctl.sock").unlink(missing_ok=True)
+        Path(address).unlink(missing_ok=True)
         Path(root).rmdir()
     shallow = tmp_path / "s"
     shallow.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(shallow))
-    root = socket_root("fsdp-testing-")
+    root, _ = socket_root("fsdp-testing-")
     assert Path(root).parent == shallow
