@@ -24,6 +24,7 @@ import collections
 import functools
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -59,39 +60,51 @@ PARTS = (
 )
 
 
+def thread_faults() -> int:
+    """Minor page faults of the calling thread so far (a first touch of a fresh page)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
 class Clocks:
-    """Own time and calls per label of the wrapped functions (one thread: the stepping one)."""
+    """Own time, page faults and calls per label of the wrapped functions (one thread: the
+    stepping one)."""
 
     def __init__(self) -> None:
         self.own: dict[str, float] = collections.defaultdict(float)
+        self.faults: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
-        self._open: list[list[Any]] = []  # [label, time of wrapped calls inside it]
+        self._open: list[list[Any]] = []  # [label, time, faults of wrapped calls inside it]
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
         function = getattr(owner, name)
 
         @functools.wraps(function)
         def clocked(*args: Any, **kwargs: Any) -> Any:
-            frame = [label, 0.0]
+            frame = [label, 0.0, 0]
             self._open.append(frame)
+            faults = thread_faults()
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
+                faulted = thread_faults() - faults
                 self._open.pop()
                 key = label
                 if label == WAIT:
                     key = f"wait in {self._open[-1][0]}" if self._open else WAIT
                 self.own[key] += elapsed - frame[1]
+                self.faults[key] += faulted - frame[2]
                 self.calls[key] += 1
                 if self._open:
                     self._open[-1][1] += elapsed
+                    self._open[-1][2] += faulted
 
         setattr(owner, name, clocked)
 
     def clear(self) -> None:
         self.own.clear()
+        self.faults.clear()
         self.calls.clear()
 
 
@@ -136,12 +149,18 @@ def run_rank_parts(
         step()
     clocks.clear()
     phases.update(dict.fromkeys(phases, 0.0))
+    faults = {"thread": 0, "process": 0}
     for _ in range(steps):
         dist.barrier()
+        before = thread_faults(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step()
+        faults["thread"] += thread_faults() - before[0]
+        faults["process"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before[1]
     result = {
         "phases": {k: v / steps for k, v in phases.items()},
+        "step_faults": {k: n / steps for k, n in faults.items()},
         "own": {k: v / steps for k, v in clocks.own.items()},
+        "faults": {k: n / steps for k, n in clocks.faults.items()},
         "calls": {k: n / steps for k, n in clocks.calls.items()},
     }
     with open(os.path.join(out_dir, f"parts-rank{dist.get_rank()}.json"), "w") as f:
@@ -157,8 +176,13 @@ def report(results: list[dict[str, Any]], engine: str, steps: int, warmup: int) 
         "optimizer {:.1f} / {:.1f})".format(
             *(m[p] for p in ("step", "forward", "backward", "optimizer") for m in ms)
         ),
+        "minor page faults per step, ranks 0 / 1: {:.0f} / {:.0f} on the stepping thread, "
+        "{:.0f} / {:.0f} in the process".format(
+            *(r["step_faults"][k] for k in ("thread", "process") for r in results)
+        ),
         "",
-        f"{'part':44s} {'rank 0 ms':>9s} {'rank 1 ms':>9s} {'calls/step':>10s}",
+        f"{'part':44s} {'rank 0 ms':>9s} {'rank 1 ms':>9s} {'calls/step':>10s} "
+        f"{'faults r0/r1':>13s}",
     ]
     labels = sorted(
         {k for r in results for k in r["own"]},
@@ -167,7 +191,8 @@ def report(results: list[dict[str, Any]], engine: str, steps: int, warmup: int) 
     for label in labels:
         own = [r["own"].get(label, 0.0) * 1000 for r in results]
         calls = max(r["calls"].get(label, 0.0) for r in results)
-        lines.append(f"{label:44s} {own[0]:9.1f} {own[1]:9.1f} {calls:10.1f}")
+        faults = "/".join(f"{r['faults'].get(label, 0.0):.0f}" for r in results)
+        lines.append(f"{label:44s} {own[0]:9.1f} {own[1]:9.1f} {calls:10.1f} {faults:>13s}")
     totals = [sum(r["own"].values()) * 1000 for r in results]
     lines.append(f"{'all of the above':44s} {totals[0]:9.1f} {totals[1]:9.1f}")
     return "\n".join(lines)
@@ -176,7 +201,9 @@ def report(results: list[dict[str, Any]], engine: str, steps: int, warmup: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--engine", choices=("fsdp_core", "fsdp_core_fully_shard"), default="fsdp_core_fully_shard"
+        "--engine",
+        choices=("fsdp_core", "fsdp_core_fully_shard", "torch_fsdp2", "ddp"),
+        default="fsdp_core_fully_shard",
     )
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=4)

@@ -175,14 +175,18 @@ def test_core_step_parts_counts_each_part_per_step():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    calls = {}
-    for line in proc.stdout.splitlines()[4:]:
-        label, *figures = line.rsplit(maxsplit=3)
-        if len(figures) == 3:
+    lines = proc.stdout.splitlines()
+    assert lines[2].startswith("minor page faults per step, ranks 0 / 1:"), proc.stdout
+    calls, faults = {}, {}
+    for line in lines[5:-1]:  # the rows, not "all of the above"
+        label, *figures = line.rsplit(maxsplit=4)
+        if len(figures) == 4:
             calls[label.strip()] = float(figures[2])
+            faults[label.strip()] = [int(n) for n in figures[3].split("/")]
     # One block (12 parameters) gathered in forward and again in backward, the root (6) once.
     assert calls["FSDPUnit._gather"] == 3.0
     assert calls["ShardedParam.copy_from_gathered"] == 2 * 12 + 6
     assert calls["UnitGrads._reduce_input"] == 2.0  # one reduction per unit
     assert any(label.startswith("wait in ") for label in calls), proc.stdout
-    assert proc.stdout.splitlines()[-1].startswith("all of the above")
+    assert all(len(n) == 2 and min(n) >= 0 for n in faults.values()), proc.stdout
+    assert lines[-1].startswith("all of the above")
