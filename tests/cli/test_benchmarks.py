@@ -103,21 +103,39 @@ def test_core_vs_fsdp2_variants_only_reports_the_order_check_and_the_overlap():
     assert "--variants-only needs --order-check-cost, --overlap-cost or both" in refused.stderr
 
 
+def _phases(*totals: float) -> list[dict[str, float]]:
+    return [{"setup": t / 4, "call": t / 2, "teardown": t / 4} for t in totals]
+
+
 def test_harness_overhead_prints_its_table_and_draws_its_png(tmp_path, capsys):
     rows = [
-        ("fsdp_testing warm pool", [0.002, 0.0021, 0.0019]),
-        ("fsdp_testing fresh processes (--no-dist-pool)", [0.078, 0.08]),
-        ("fsdp_testing thread mode", [0.002]),
-        ("torch MultiProcessTestCase", [3.318, 3.3]),
-        ("torch MultiThreadedTestCase", [0.004]),
+        ("plain pytest test, no ranks (the floor)", _phases(0.0012, 0.0013)),
+        ("fsdp_testing warm pool", _phases(0.002, 0.0021, 0.0019)),
+        ("fsdp_testing fresh processes (--no-dist-pool)", _phases(0.078, 0.08)),
+        ("fsdp_testing thread mode", _phases(0.002)),
+        ("torch MultiProcessTestCase", _phases(3.318, 3.3)),
+        ("torch MultiThreadedTestCase", _phases(0.004)),
     ]
     harness_overhead._print_report(rows)
-    out = capsys.readouterr().out
-    assert "harness                                        tests  median ms  torch MP / this" in out
-    assert "fsdp_testing warm pool                             3        2.0          1654.5x" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        *("harness", "tests", "median", "ms", "setup", "call", "teardown"),
+        *("torch", "MP", "/", "this"),
+    ]
+    pool = next(line for line in lines if line.startswith("fsdp_testing warm pool"))
+    # The median test (2.0 ms) and each phase's median: a quarter, a half and a quarter of it.
+    assert pool.split()[3:] == ["3", "2.00", "0.50", "1.00", "0.50", "1654.5x"]
     png = tmp_path / "overhead.png"
     harness_overhead._write_png(str(png), rows)
     assert_drawn_png(png, width=1000, height=450)
+
+
+def test_harness_overhead_reads_each_phase_from_pytests_reports(tmp_path):
+    tests = harness_overhead._run(tmp_path, "plain", harness_overhead.PLAIN.format(n=4))
+    assert len(tests) == 3  # the first test is left out
+    for test in tests:
+        assert set(test) == {"setup", "call", "teardown"}
+        assert all(0 < seconds < 5 for seconds in test.values())
 
 
 def test_rank_resets_times_each_reset_that_rank_state_restore_runs():
