@@ -22,6 +22,8 @@ from fsdp_testing._report import collective_log
 from fsdp_testing._report.observation import Observation
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
 __all__ = ["ThreadLauncher", "run_rank_threads"]
@@ -44,6 +46,39 @@ def _fresh_threaded_group_state() -> None:
     group._coll_lock = threading.Lock()
     group._cur_coll_on_pgs = {}
     group._terminate = threading.Event()
+
+
+# [Note: the threaded group's barrier]
+# torch's threaded backend ends the creation of every group with a store-based barrier
+# (``_create_threaded_pg`` in ``multi_threaded_pg``). In thread mode each rank counts its
+# groups on its own (thread isolation), so a group's name is the same on every rank that made
+# as many groups before it, whatever its members: when each rank makes a group of its own
+# (``new_group([rank])``, as torch's ``MixtureOfExperts`` does for its experts), the ranks'
+# different groups share one name, and so one barrier key in the test's store. torch's barrier
+# adds 1 to the key and then reads the count again in a second call; when another rank's add
+# comes between the two, no rank reads exactly its group's size, no rank marks the barrier
+# done, and every rank waits until the test's timeout (seen in CI: a hang in
+# ``MixtureOfExperts.init`` once in some thousands of such groups). While thread mode runs,
+# the threaded backend's barrier is this one, which decides on the count its own add returned:
+# the rank whose arrival completes the count marks it done, and a group of one never waits.
+
+
+def _threaded_group_barrier(
+    rank: int,
+    store: dist.Store,
+    group_name: str,
+    rendezvous_count: int,
+    timeout: timedelta,
+    logging_interval: timedelta | None = None,
+) -> None:
+    """The threaded backend's barrier after making a group of ``rendezvous_count`` ranks,
+    deciding on the count ``store.add`` returns; see [Note: the threaded group's barrier]. The
+    signature is torch's ``_store_based_barrier``'s (it logs who is missing every
+    ``logging_interval``; here a rank that never comes is the test's timeout to report)."""
+    key = f"fsdp_testing_group_barrier:{group_name}"
+    if store.add(key, 1) == rendezvous_count:
+        store.set(f"{key}:done", "1")
+    store.wait([f"{key}:done"], timeout)
 
 
 def _wake_threaded_group() -> None:
@@ -145,6 +180,8 @@ class ThreadLauncher:
         _set_thread_isolation(True)
         _fresh_threaded_group_state()
         mtpg._install_threaded_pg()
+        torch_barrier = mtpg._store_based_barrier  # see [Note: the threaded group's barrier]
+        mtpg._store_based_barrier = _threaded_group_barrier
         try:
             return run_rank_threads(
                 task,
@@ -157,6 +194,7 @@ class ThreadLauncher:
             )
         finally:
             # Never blocks: see [Note: stopping rank threads].
+            mtpg._store_based_barrier = torch_barrier
             _fresh_threaded_group_state()
             mtpg._uninstall_threaded_pg()
             _set_thread_isolation(False)

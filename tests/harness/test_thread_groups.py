@@ -1,0 +1,53 @@
+"""Groups made on the ranks of thread mode (torch's threaded process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_testing._launch.spec import DistSpec, Mode
+from fsdp_testing._protocol import Task
+from fsdp_testing.launcher import run_distributed
+
+# torch's own barrier hung both ranks within 18 to 973 such groups in five trials (two threads,
+# no harness): see [Note: the threaded group's barrier] in fsdp_testing/_launch/threads.py.
+GROUPS = 3000
+
+
+# 3000 groups take about 3 s here; the default timeout leaves a loaded CI room. With torch's
+# barrier the ranks hang and the test fails at the timeout.
+@pytest.mark.distributed(world_size=2, mode="thread", timeout=120)
+def test_each_rank_making_a_group_of_its_own_does_not_hang(rank):
+    # torch's MixtureOfExperts makes its experts' group this way: new_group([rank]) on each rank.
+    for _ in range(GROUPS):
+        group = dist.new_group([rank])
+        assert dist.get_world_size(group) == 1
+        assert dist.get_rank(group) == 0
+
+
+@pytest.mark.distributed(world_size=4, mode="thread")
+def test_groups_made_by_every_rank_still_reduce_over_their_members(rank):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    t = torch.full((1,), float(rank))
+    dist.all_reduce(t, group=pairs[rank // 2])
+    assert t.item() == {0: 1.0, 1: 5.0}[rank // 2]
+
+
+def _check_barrier_is_ours() -> None:
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    from fsdp_testing._launch.threads import _threaded_group_barrier
+
+    assert mtpg._store_based_barrier is _threaded_group_barrier
+
+
+def test_torchs_barrier_is_back_after_a_thread_mode_run():
+    from torch.distributed.distributed_c10d import _store_based_barrier
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    verdict = run_distributed(
+        Task(_check_barrier_is_ours, {}, "ours while the ranks run"), DistSpec(2, mode=Mode.THREAD)
+    )
+    assert verdict.outcome == "passed", verdict.message
+    assert mtpg._store_based_barrier is _store_based_barrier
