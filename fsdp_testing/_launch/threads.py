@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsdp_testing._launch.rank_threads import Aborted, RankThreads, acquire_briefly
 from fsdp_testing._protocol import Outcome, RankResult, Task
@@ -44,7 +44,7 @@ def _fresh_threaded_group_state() -> None:
 
     group = mtpg.ProcessLocalGroup
     group._coll_lock = threading.Lock()
-    group._cur_coll_on_pgs = {}
+    group._cur_coll_on_pgs = _CollectivesByGroup()
     group._terminate = threading.Event()
 
 
@@ -61,6 +61,49 @@ def _fresh_threaded_group_state() -> None:
 # ``MixtureOfExperts.init`` once in some thousands of such groups). While thread mode runs,
 # the threaded backend's barrier is this one, which decides on the count its own add returned:
 # the rank whose arrival completes the count marks it done, and a group of one never waits.
+#
+# The same names met again in the group's collectives: torch's threaded group matches the
+# ranks' calls of a collective by group name (``ProcessLocalGroup._cur_coll_on_pgs``), so the
+# ranks' groups of one joined one collective and waited for each other forever. In thread mode
+# that table is a :class:`_CollectivesByGroup`, which tells the groups apart by their members
+# too, as process mode's separate processes do. The names themselves, which a test can read,
+# stay torch's.
+
+
+class _CollectivesByGroup(dict):
+    """torch's threaded group's collectives in flight, keyed by group name as torch asks, but
+    stored by name and members: see [Note: the threaded group's barrier]. A name is read in
+    the calling rank's own world (thread isolation), as the group's name was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # By rank thread and name: the group and its members (a name is unique in a rank's
+        # world until ``destroy_process_group()`` starts the count again, hence the check).
+        self._groups: dict[tuple[int, str], tuple[Any, tuple[int, ...] | None]] = {}
+
+    def _key(self, name: str) -> tuple[str, tuple[int, ...] | None]:
+        import torch.distributed as dist
+
+        world = dist.distributed_c10d._world
+        me = (threading.get_ident(), name)
+        known = self._groups.get(me)
+        if known is None or world.pg_names.get(known[0]) != name:
+            group = next((pg for pg, n in world.pg_names.items() if n == name), None)
+            ranks = world.pg_group_ranks.get(group) if group is not None else None
+            known = self._groups[me] = (group, tuple(sorted(ranks)) if ranks else None)
+        return name, known[1]
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(self._key(str(name)))
+
+    def __getitem__(self, name: str) -> Any:
+        return super().__getitem__(self._key(name))
+
+    def __setitem__(self, name: str, collective: Any) -> None:
+        super().__setitem__(self._key(name), collective)
+
+    def pop(self, name: str, *default: Any) -> Any:
+        return super().pop(self._key(name), *default)
 
 
 def _threaded_group_barrier(

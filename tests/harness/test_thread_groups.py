@@ -26,6 +26,18 @@ def test_each_rank_making_a_group_of_its_own_does_not_hang(rank):
         assert dist.get_rank(group) == 0
 
 
+@pytest.mark.distributed(world_size=4, mode="thread", timeout=60)
+def test_collectives_over_groups_of_one_stay_on_their_rank(rank):
+    # The ranks' groups share a name; torch's threaded group joined their collectives into one.
+    for _ in range(20):
+        group = dist.new_group([rank])
+        t = torch.full((2,), float(rank))
+        dist.all_reduce(t, group=group)
+        out = [torch.empty(2)]
+        dist.all_gather(out, t, group=group)
+        assert t.tolist() == out[0].tolist() == [rank, rank]
+
+
 @pytest.mark.distributed(world_size=4, mode="thread")
 def test_groups_made_by_every_rank_still_reduce_over_their_members(rank):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
