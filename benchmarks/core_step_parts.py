@@ -6,8 +6,10 @@ time is its time minus that of the wrapped functions it called, and the time spe
 collective (``fsdp_core._collectives.wait``) is put under the function that waited, e.g. ``wait
 in CpuOverlap.make_room`` (a reduce-scatter in flight, finished before the next one) or ``wait in
 FSDPUnit.wait_for_unshard`` (an all-gather issued ahead or prefetched). Per rank, milliseconds
-per step and calls per step over ``--steps`` steps after ``--warmup``, largest first; what is not
-in a row (autograd's compute, the optimizer's) is the step minus the rows.
+per step, calls per step and minor page faults per step (on the stepping thread: a first touch
+of a fresh page) over ``--steps`` steps after ``--warmup``, largest first; what is not in a row
+(autograd's compute, the optimizer's) is the step minus the rows. ``--engine torch_fsdp2`` or
+``ddp`` steps a peer instead: its phases and page faults only, no rows, for comparison.
 
 ``core_vs_fsdp2.py --profile`` splits a step by ATen operator (compute, copy, collectives) for
 every engine; this script splits fsdp_core's by its own code, which the operators cannot show
