@@ -15,6 +15,7 @@ import pytest
 from fsdp_testing.cli import main
 from fsdp_testing.cli._matrix import DEFAULTS, build_matrix, parse_axis
 
+from .._spellings import ALL_GATHER
 from ._images import assert_drawn_png
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,7 +208,7 @@ def test_trace_writes_a_chrome_trace_and_a_png_timeline(tmp_path, capsys):
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     names = {e["name"] for e in events if e["ph"] != "M"}
-    assert {"forward", "backward", "optimizer", "all_gather_single"} <= names
+    assert {"forward", "backward", "optimizer", ALL_GATHER} <= names
     assert any(n.startswith("unshard ") for n in names) and any(
         n.startswith("reshard ") for n in names
     )

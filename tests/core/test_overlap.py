@@ -18,6 +18,8 @@ from fsdp_core import FSDP, BackwardPrefetch, events, fully_shard
 from fsdp_core.debug import set_cpu_overlap
 from fsdp_testing.recording import record_fsdp
 
+from .._spellings import ALL_GATHER
+
 # Every spelling fsdp_core may call (it picks the newest the installed torch has).
 _GATHERS = ("all_gather_single", "all_gather_into_tensor")
 _SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
@@ -331,9 +333,7 @@ def test_a_backward_prefetch_waits_for_the_reduction_in_flight(rank, process_gro
         _train(model, rank, steps=1)  # records the backward order the prefetches follow
         seen = _train(model, rank, steps=1)
         backward = seen[seen.index(("Unshard", "layers.2", "backward_prefetch")) :]
-        gather = next(
-            i for i, e in enumerate(backward) if e[:2] == ("all_gather_single", "layers.1")
-        )
+        gather = next(i for i, e in enumerate(backward) if e[:2] == (ALL_GATHER, "layers.1"))
         asked = backward.index(("Unshard", "layers.1", "backward_prefetch"))
         resharded = backward.index(("Reshard", "layers.2", "backward"))
         scatter = next(

@@ -216,12 +216,14 @@ def _torch_unit_paths(model_class: type, process_group: Any) -> list[str]:
 
     # torch's FSDP1 refuses the CPU unless device_id says so, and MixtureOfExperts builds some
     # units without the caller's fsdp_kwargs: give every FSDP(...) call in common_fsdp the CPU.
+    # DEVICE_NEVER keeps the parameters there too: DEVICE_BEFORE would move them to
+    # common_fsdp's DEVICE_TYPE, which is cuda wherever a GPU exists.
     on_cpu = functools.partial(FSDP, device_id=CPU)
     with patched(PatchTarget(common_fsdp, "FSDP"), on_cpu):
         reference = getattr(common_fsdp, model_class.__name__).init(
             process_group,
             common_fsdp.FSDPInitMode.RECURSIVE,
-            common_fsdp.DEVICEInitMode.DEVICE_BEFORE,
+            common_fsdp.DEVICEInitMode.DEVICE_NEVER,
             deterministic=True,
         )
     return _unit_paths(reference, lambda m: isinstance(m, FSDP))

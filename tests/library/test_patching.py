@@ -26,6 +26,8 @@ from fsdp_testing.patching import (
     reduce_scatter_with_assert,
 )
 
+from .._spellings import ALL_GATHER, REDUCE_SCATTER, all_gather_single, reduce_scatter_single
+
 ENGINES = ["fsdp_core", "torch_fsdp1", "torch_fsdp2"]
 
 
@@ -72,8 +74,8 @@ def _assert_full_shard_counts(engine_name: str, rank: int, group: dist.ProcessGr
     _step(model, rank)
     counts: Counter[str] = Counter()
     with (
-        patch_all_gather(_counting(counts, "all_gather", dist.all_gather_single)),
-        patch_reduce_scatter(_counting(counts, "reduce_scatter", dist.reduce_scatter_single)),
+        patch_all_gather(_counting(counts, "all_gather", getattr(dist, ALL_GATHER))),
+        patch_reduce_scatter(_counting(counts, "reduce_scatter", getattr(dist, REDUCE_SCATTER))),
         patch_all_reduce(_counting(counts, "all_reduce", dist.all_reduce)),
     ):
         _step(model, rank)
@@ -83,7 +85,7 @@ def _assert_full_shard_counts(engine_name: str, rank: int, group: dist.ProcessGr
 @pytest.mark.distributed(world_size=2, mode="thread")
 def test_one_signature_for_both_spellings_and_any_argument_style(rank, world_size, process_group):
     calls: list[tuple[Any, ...]] = []
-    orig_gather, orig_scatter = dist.all_gather_single, dist.reduce_scatter_single
+    orig_gather, orig_scatter = getattr(dist, ALL_GATHER), getattr(dist, REDUCE_SCATTER)
 
     def new_all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
         calls.append(("ag", tuple(output.shape), tuple(input.shape), sorted(kwargs)))
@@ -95,12 +97,12 @@ def test_one_signature_for_both_spellings_and_any_argument_style(rank, world_siz
 
     out, shard = torch.empty(2 * world_size), torch.full((2,), float(rank))
     with patch_all_gather(new_all_gather), patch_reduce_scatter(new_reduce_scatter):
-        dist.all_gather_single(out, shard, process_group)  # group positional
+        all_gather_single(out, shard, process_group)  # group positional
         with warnings.catch_warnings():  # the old spelling is deprecated
             warnings.simplefilter("ignore", FutureWarning)
             dist.all_gather_into_tensor(output_tensor=out, input_tensor=shard)
         dist.all_gather(list(out.chunk(world_size)), shard)  # FSDP1's CPU form
-        dist.reduce_scatter_single(output=shard, input=out, op=dist.ReduceOp.SUM)  # FSDP2 style
+        reduce_scatter_single(output=shard, input=out, op=dist.ReduceOp.SUM)  # FSDP2 style
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             dist.reduce_scatter_tensor(shard, out)
@@ -114,7 +116,8 @@ def test_one_signature_for_both_spellings_and_any_argument_style(rank, world_siz
         ("rs", (2,), (4,), []),
     ]
     assert out.tolist() == [0.0, 0.0, 1.0, 1.0] and unrelated[1].tolist() == [1.0] * 3
-    assert dist.all_gather_single is orig_gather and dist.reduce_scatter_single is orig_scatter
+    assert getattr(dist, ALL_GATHER) is orig_gather
+    assert getattr(dist, REDUCE_SCATTER) is orig_scatter
 
 
 @pytest.mark.distributed(world_size=4, mode="thread")
@@ -212,7 +215,7 @@ def test_reduce_scatter_with_assert_sees_the_output(engine_name, rank, process_g
         assert output.dtype == torch.float32
 
     new = functools.partial(
-        reduce_scatter_with_assert, None, dist.reduce_scatter_single, assert_fp32
+        reduce_scatter_with_assert, None, getattr(dist, REDUCE_SCATTER), assert_fp32
     )
     with patch_reduce_scatter(new, full_precision_param_dtype=torch.float32):
         _step(model, rank)
@@ -229,7 +232,7 @@ def test_reduce_scatter_with_assert_fails_for_a_wrong_dtype(rank, process_group)
             raise AssertionError(f"reduce-scatter in {output.dtype}, expected torch.bfloat16")
 
     new = functools.partial(
-        reduce_scatter_with_assert, None, dist.reduce_scatter_single, assert_bf16
+        reduce_scatter_with_assert, None, getattr(dist, REDUCE_SCATTER), assert_bf16
     )
     with (
         pytest.raises(AssertionError, match=r"reduce-scatter in torch\.float32, expected"),
@@ -247,7 +250,7 @@ def test_reduce_scatter_with_assert_names_missing_output():
 def test_average_check_catches_an_engine_that_sums_gradients(rank, world_size, process_group):
     """Every rank feeds the same input, so the averaged gradient equals each rank's own; a
     reduce-scatter whose result is ``world_size`` times that did not average."""
-    original = dist.reduce_scatter_single
+    original = getattr(dist, REDUCE_SCATTER)
 
     def expect_average(expected: torch.Tensor) -> Any:
         def check(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
@@ -265,7 +268,7 @@ def test_average_check_catches_an_engine_that_sums_gradients(rank, world_size, p
 
     def sums_instead_of_averaging(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
         # The deliberate bug: undo the engine's pre-division by the group size.
-        return dist.reduce_scatter_single(output, input * world_size, **kwargs)
+        return reduce_scatter_single(output, input * world_size, **kwargs)
 
     def run(broken: bool) -> None:
         torch.manual_seed(0)
@@ -300,10 +303,14 @@ def test_public_surface_for_recorders_and_delays():
     assert targets and all(t.owner is dist for t in targets)
     # Every spelling that moves tensors; not all_gather_object (objects).
     assert [t.attribute for t in targets] == [
-        "all_gather_single",
-        "all_gather_into_tensor",
-        "_all_gather_base",
-        "all_gather",
+        name
+        for name in (
+            "all_gather_single",
+            "all_gather_into_tensor",
+            "_all_gather_base",
+            "all_gather",
+        )
+        if hasattr(dist, name)  # all_gather_single is new in torch 2.13
     ]
     assert [t.attribute for t in patching.collective_targets("all_reduce")] == ["all_reduce"]
     with pytest.raises(ValueError, match="unknown family 'allreduce'; one of all_gather"):

@@ -21,6 +21,8 @@ from fsdp_testing.recording import (
     record_fsdp,
 )
 
+from .._spellings import REDUCE_SCATTER
+
 ENGINES = ["fsdp_core", "torch_fsdp1", "torch_fsdp2"]
 UNITS = ["0", "2", "4"]  # the three linears of the stack, by FQN
 
@@ -227,7 +229,7 @@ def test_count_failure_lists_what_ran(rank, process_group):
     with pytest.raises(
         AssertionError,
         match=r"\[rank \d\] expected 2 reduce_scatter collective\(s\), recorded 3; all "
-        r"collectives: \{.*'reduce_scatter_single': 3",
+        rf"collectives: \{{.*'{REDUCE_SCATTER}': 3",
     ):
         rec.assert_count("reduce_scatter", 2)
 
