@@ -8,6 +8,7 @@ import copy
 import itertools
 import math
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -326,3 +327,24 @@ def test_a_weight_tied_across_units_without_a_sharded_ancestor_raises_fsdp2s_err
         r"another FSDP group \('weight'\)",
     ):
         model.proj(model.hidden(model.embed(tokens)))
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl", "local", "threaded"])
+def test_a_default_mesh_takes_cuda_only_from_a_backend_that_moves_device_memory(backend):
+    from fsdp_core._composable import _build
+
+    with mock.patch.object(dist, "get_backend", return_value=backend):
+        assert _build._moves_cuda_memory() == ("nccl" in backend)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_gloo_job_on_a_machine_with_a_gpu_keeps_its_default_mesh_on_the_cpu(process_group):
+    # A test written on a CPU-only machine, run where a GPU exists: torch's FSDP2 would take the
+    # GPU and move the module there, away from the CPU inputs the gloo ranks feed it.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        fully_shard(model[0])
+        fully_shard(model)
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.device_mesh.device_type == "cpu", p
+    model(torch.ones(3, 4)).sum().backward()

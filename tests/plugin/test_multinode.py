@@ -263,7 +263,7 @@ def _own_lines(output: str) -> list[str]:
         # when node 0's agent, which hosts the rendezvous store, ended first (DistNetworkError:
         # torchrun's own teardown on one host, after the report; see docs/multinode.md).
         start = len(lines) - 1 - lines[::-1].index("Traceback (most recent call last):")
-        ours = not lines[start + 1].endswith('/torchrun", line 8, in <module>')
+        ours = not _TORCHRUN_SCRIPT.search(lines[start + 1])
         if "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in output:
             assert not ours, lines[start:]
         if not ours and any(line.startswith(_TORCHRUN_ENDS) for line in lines[start:]):
@@ -288,6 +288,10 @@ _CHAINED = (
 )
 
 
+#: The first frame of torchrun's own traceback: its console script, whose line number depends on
+#: the installer that wrote it (8 from pip here, 10 in another image's venv).
+_TORCHRUN_SCRIPT = re.compile(r'/torchrun", line \d+, in <module>$')
+
 _TORCHRUN_ENDS = (
     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
     "torch.distributed.DistNetworkError",
@@ -307,7 +311,7 @@ def test_torchruns_own_chained_teardown_traceback_is_not_counted_as_ours() -> No
         "The above exception was the direct cause of the following exception:",
         "",
         "Traceback (most recent call last):",
-        '  File "/venv/bin/torchrun", line 8, in <module>',
+        '  File "/venv/bin/torchrun", line 10, in <module>',
         "    sys.exit(main())",
         "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to",
     ]

@@ -90,8 +90,21 @@ def _applied_twice(api: str, earlier: str, name: str) -> str:
     )
 
 
+#: Backends whose collectives run on host memory: a default mesh over one of them stays on the
+#: CPU (torch registers gloo for cuda too, but its reduce-scatter takes CPU tensors only).
+_HOST_BACKENDS = frozenset({"gloo", "local", "threaded"})
+
+
 def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
-    """``mesh``, or a 1-D mesh of every rank on the parameters' device type when ``None``."""
+    """``mesh``, or when ``None`` a 1-D mesh of every rank: on the parameters' device type, or
+    for CPU (and meta) parameters on CUDA where it exists and the default group's backend for
+    it moves device memory (nccl), else on the CPU.
+
+    torch's FSDP2 takes the accelerator whatever the backend; here a gloo job on a machine that
+    has a GPU (a test written on a CPU-only machine, run on a GPU node) keeps its CPU tensors,
+    where torch's would move the module to the GPU and fail at its CPU inputs or gloo's
+    reduce-scatter.
+    """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if not dist.is_initialized():
@@ -106,12 +119,22 @@ def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
                 if p.device.type not in ("cpu", "meta"):
                     device_type = p.device.type
                 break
-        if device_type == "cpu" and torch.cuda.is_available():
+        if device_type == "cpu" and torch.cuda.is_available() and _moves_cuda_memory():
             device_type = "cuda"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh takes a DeviceMesh or None, got {mesh!r}.")
     return mesh
+
+
+def _moves_cuda_memory() -> bool:
+    """Whether the default group's backend for CUDA tensors is a device backend (nccl): its name
+    is one backend (``"nccl"``) or a map (``"cpu:gloo,cuda:nccl"``)."""
+    name = str(dist.get_backend())
+    if ":" in name:
+        by_device = dict(part.split(":", 1) for part in name.split(","))
+        name = by_device.get("cuda", "")
+    return bool(name) and name.lower() not in _HOST_BACKENDS
 
 
 def compute_device(mesh: Any) -> torch.device:

@@ -61,9 +61,11 @@ def fully_shard(
         mesh: a 1-D ``DeviceMesh`` to shard over, or a 2-D one for hybrid sharding (HSDP):
             dim 0 replicates, dim 1 shards, as ``init_device_mesh(type, (replicas, shard),
             mesh_dim_names=("replicate", "shard"))`` (default ``None``: every rank, on the
-            device type of the parameters). With HSDP the parameters are ``DTensor``s with
-            ``(Replicate(), Shard(0))`` placements and each reduce-scatter inside the shard
-            group is followed by an all-reduce of the shard across the replicate group.
+            device type of the parameters; CPU parameters go to CUDA only where a GPU exists
+            and the default group's backend is nccl, not gloo). With HSDP the parameters are
+            ``DTensor``s with ``(Replicate(), Shard(0))`` placements and each reduce-scatter
+            inside the shard group is followed by an all-reduce of the shard across the
+            replicate group.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and
             all-gathers them again in backward; ``False`` keeps them; an int ``N`` dividing
             the shard world size keeps a copy sharded over groups of ``N`` ranks so the

@@ -69,7 +69,7 @@ def replicate(
     Args:
         module: the module to replicate.
         mesh: a 1-D ``DeviceMesh`` to replicate over (default ``None``: every rank, on the
-            device type of the parameters).
+            device type of the parameters, chosen as ``fully_shard`` does).
         mp_policy: a ``MixedPrecisionPolicy`` (default: full precision): compute in
             ``param_dtype`` on a local cast copy, all-reduce in ``reduce_dtype``.
         offload_policy: ``OffloadPolicy()`` (default, none) or ``CPUOffloadPolicy()`` (the
