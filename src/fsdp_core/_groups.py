@@ -243,6 +243,24 @@ def default_hybrid_groups(api: str) -> UnitGroups:
     return _DEFAULT[key]
 
 
+#: Backends whose collectives run on host memory (torch registers gloo for cuda too, but its
+#: reduce-scatter takes CPU tensors only; ``local`` and ``threaded`` are the harness's).
+_HOST_BACKENDS = frozenset({"gloo", "local", "threaded"})
+
+
+def backend_moves_cuda_memory() -> bool:
+    """Whether the default group's backend for CUDA tensors is a device backend (nccl), so that
+    a GPU's presence says where the ranks compute: the backend's name is one backend
+    (``"nccl"``) or a map (``"cpu:gloo,cuda:nccl"``). Over gloo a machine's GPUs say nothing of
+    a job whose ranks compute on the CPU (a test written on a CPU-only machine, run on a GPU
+    node), so the default mesh stays on the CPU and nodes are not sized by them."""
+    name = str(dist.get_backend())
+    if ":" in name:
+        by_device = dict(part.split(":", 1) for part in name.split(","))
+        name = by_device.get("cuda", "")
+    return bool(name) and name.lower() not in _HOST_BACKENDS
+
+
 def _node_size(api: str, world: int) -> int:
     text = os.environ.get("LOCAL_WORLD_SIZE")
     if text is not None:
@@ -253,7 +271,9 @@ def _node_size(api: str, world: int) -> int:
                 f"ranks cannot be grouped by node. {_HYBRID_FIX}."
             )
         return node
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = 0
+    if torch.cuda.is_available() and backend_moves_cuda_memory():
+        count = torch.cuda.device_count()
     return count if count and world % count == 0 else world
 
 

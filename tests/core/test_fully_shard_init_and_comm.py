@@ -331,10 +331,10 @@ def test_a_weight_tied_across_units_without_a_sharded_ancestor_raises_fsdp2s_err
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl", "local", "threaded"])
 def test_a_default_mesh_takes_cuda_only_from_a_backend_that_moves_device_memory(backend):
-    from fsdp_core._composable import _build
+    from fsdp_core._groups import backend_moves_cuda_memory
 
     with mock.patch.object(dist, "get_backend", return_value=backend):
-        assert _build._moves_cuda_memory() == ("nccl" in backend)
+        assert backend_moves_cuda_memory() == ("nccl" in backend)
 
 
 @pytest.mark.distributed(world_size=2)

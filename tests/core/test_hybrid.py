@@ -351,3 +351,19 @@ def test_default_groups_shard_within_a_node(rank, process_group, monkeypatch):
     again = FSDP(nn.Linear(4, 4), sharding_strategy=HYBRID[0])
     assert model._unit.groups.ranks() == (SHARD_GROUPS[rank // 2], REPLICATE_GROUPS[rank % 2])
     assert again._unit.groups is model._unit.groups  # created once, shared by instances
+
+
+@pytest.mark.distributed(world_size=2)
+def test_gpus_do_not_size_the_nodes_of_a_gloo_job(rank, process_group, monkeypatch):
+    """A gloo job's ranks compute on the CPU: a GPU on the machine (one here, mocked) does not
+    make each rank a node of its own, as it would over nccl."""
+    from unittest import mock
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=True),
+        mock.patch.object(torch.cuda, "device_count", return_value=1),
+    ):
+        model = FSDP(nn.Linear(4, 4), sharding_strategy=HYBRID[0])
+    assert model._unit.groups.ranks() == ((0, 1), (rank,))
+    model(torch.ones(2, 4)).sum().backward()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _init
-from .._groups import UnitGroups, hybrid_groups_from_mesh
+from .._groups import UnitGroups, backend_moves_cuda_memory, hybrid_groups_from_mesh
 from .._param import DTensorLayout, ParamSpec, is_sharded_param
 from .._precision import UnitPrecision
 from .._runtime import FSDPState, state_of
@@ -90,11 +90,6 @@ def _applied_twice(api: str, earlier: str, name: str) -> str:
     )
 
 
-#: Backends whose collectives run on host memory: a default mesh over one of them stays on the
-#: CPU (torch registers gloo for cuda too, but its reduce-scatter takes CPU tensors only).
-_HOST_BACKENDS = frozenset({"gloo", "local", "threaded"})
-
-
 def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
     """``mesh``, or when ``None`` a 1-D mesh of every rank: on the parameters' device type, or
     for CPU (and meta) parameters on CUDA where it exists and the default group's backend for
@@ -119,22 +114,12 @@ def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
                 if p.device.type not in ("cpu", "meta"):
                     device_type = p.device.type
                 break
-        if device_type == "cpu" and torch.cuda.is_available() and _moves_cuda_memory():
+        if device_type == "cpu" and torch.cuda.is_available() and backend_moves_cuda_memory():
             device_type = "cuda"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh takes a DeviceMesh or None, got {mesh!r}.")
     return mesh
-
-
-def _moves_cuda_memory() -> bool:
-    """Whether the default group's backend for CUDA tensors is a device backend (nccl): its name
-    is one backend (``"nccl"``) or a map (``"cpu:gloo,cuda:nccl"``)."""
-    name = str(dist.get_backend())
-    if ":" in name:
-        by_device = dict(part.split(":", 1) for part in name.split(","))
-        name = by_device.get("cuda", "")
-    return bool(name) and name.lower() not in _HOST_BACKENDS
 
 
 def compute_device(mesh: Any) -> torch.device:
