@@ -365,7 +365,7 @@ class ProcessLauncher:
             statuses = self._statuses([gen.pids[r] for r in obs.dead], 2.0)
             for rank in obs.dead:
                 obs.exit_status[rank] = statuses.get(gen.pids[rank]) or "exited"
-                obs.last_output[rank] = gen.read_log(rank, offsets[rank], limit=4000)
+                obs.last_output[rank] = gen.read_log(rank, offsets[rank])
         return obs
 
     def shutdown(self) -> None:

@@ -68,6 +68,29 @@ def judge(obs: Observation) -> Verdict:
     return Verdict(VerdictOutcome.PASSED, "", sections)
 
 
+#: How much of a dead rank's output the report shows, and of faulthandler's dump of its threads.
+LAST_OUTPUT_CHARS = 3000
+FAULT_DUMP_CHARS = 12000
+_FAULT = "Fatal Python error:"
+
+
+def _last_words(out: str) -> str:
+    """The end of a dead rank's output: from faulthandler's last ``Fatal Python error`` on (its
+    dump of every Python thread, up to ``FAULT_DUMP_CHARS``), else the last
+    ``LAST_OUTPUT_CHARS``. faulthandler marks the faulting thread "Current thread" only when it
+    runs Python; when none is marked, the report says the fault was in a native thread."""
+    start = out.rfind(_FAULT)
+    if start == -1:
+        return out[-LAST_OUTPUT_CHARS:]
+    tail = out[start : start + FAULT_DUMP_CHARS]  # the faulting thread comes first
+    if "Current thread 0x" not in tail:
+        tail += (
+            "\n(faulthandler marks no thread as current: the fault was in a thread that runs no "
+            "Python, such as a gloo or BLAS worker; the threads above are where Python was)"
+        )
+    return tail
+
+
 def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
     causes = set(obs.dead) | {r for r, res in failed.items() if not res.comm_error}
     if not causes and failed:
@@ -95,7 +118,7 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             out = obs.last_output.get(rank, "").rstrip()
             parts.append(
                 f"\n{rank_heading(rank, where)} {obs.exit_status.get(rank, 'exited')} without "
-                "reporting a result; its last output:\n" + (out[-3000:] if out else "(none)")
+                "reporting a result; its last output:\n" + (_last_words(out) or "(none)")
             )
         else:
             parts.append(f"\n{rank_heading(rank, where)}\n{failed[rank].message.rstrip()}")

@@ -130,3 +130,45 @@ def test_each_ranks_output_is_a_report_section() -> None:
 
 def test_outcome_prints_as_pytests_word() -> None:
     assert f"{VerdictOutcome.SKIPPED}" == "skipped"
+
+
+def _dead_rank(output: str) -> str:
+    obs = _obs(
+        {},
+        world_size=2,
+        dead={1},
+        stragglers={0},
+        exit_status={1: "killed by SIGSEGV"},
+        last_output={1: output},
+    )
+    return judge(obs).message
+
+
+_DUMP = (
+    "Fatal Python error: Segmentation fault\n\n"
+    "{current} 0x00007f8e8d533b80 (most recent call first):\n"
+    '  File "/t/_ops.py", line 875 in __call__\n'
+    '  File "/t/test_x.py", line 3 in test_x\n'
+)
+
+
+def test_a_crashed_ranks_report_keeps_faulthandlers_whole_dump() -> None:
+    # A long preamble (warnings, prints) must not push the dump out of the report.
+    message = _dead_rank("noise\n" * 2000 + _DUMP.format(current="Current thread"))
+    assert "Fatal Python error: Segmentation fault" in message
+    assert 'File "/t/test_x.py", line 3 in test_x' in message
+    assert "noise" not in message.split("its last output:")[1]
+    assert "no thread as current" not in message
+
+
+def test_a_fault_in_a_native_thread_is_said_so() -> None:
+    message = _dead_rank(_DUMP.format(current="Thread"))
+    assert "faulthandler marks no thread as current: the fault was in a thread that runs no " in (
+        message
+    )
+
+
+def test_a_dead_rank_without_a_dump_shows_the_end_of_its_output() -> None:
+    message = _dead_rank("x" * 5000 + "last words")
+    section = message.split("its last output:\n")[1].split("\n\n[rank 0]")[0]
+    assert section == ("x" * 5000 + "last words")[-3000:]
