@@ -243,9 +243,11 @@ def default_hybrid_groups(api: str) -> UnitGroups:
     return _DEFAULT[key]
 
 
-#: Backends whose collectives run on host memory (torch registers gloo for cuda too, but its
-#: reduce-scatter takes CPU tensors only; ``local`` and ``threaded`` are the harness's).
-_HOST_BACKENDS = frozenset({"gloo", "local", "threaded"})
+#: Backends that say nothing of a GPU: gloo's collectives run on host memory (torch registers
+#: gloo for cuda too, but its reduce-scatter takes CPU tensors only), ``local`` and ``threaded``
+#: are the harness's CPU groups, and ``fake`` moves nothing (the harness's fake ranks compute on
+#: the CPU; a mesh passed explicitly still puts them anywhere).
+_HOST_BACKENDS = frozenset({"gloo", "local", "threaded", "fake"})
 
 
 def backend_moves_cuda_memory() -> bool:

@@ -329,7 +329,9 @@ def test_a_weight_tied_across_units_without_a_sharded_ancestor_raises_fsdp2s_err
         model.proj(model.hidden(model.embed(tokens)))
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl", "local", "threaded"])
+@pytest.mark.parametrize(
+    "backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl", "local", "threaded", "fake", "cpu:gloo"]
+)
 def test_a_default_mesh_takes_cuda_only_from_a_backend_that_moves_device_memory(backend):
     from fsdp_core._groups import backend_moves_cuda_memory
 
