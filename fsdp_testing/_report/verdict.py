@@ -74,15 +74,24 @@ FAULT_DUMP_CHARS = 12000
 _FAULT = "Fatal Python error:"
 
 
+#: Lines of output kept before faulthandler's dump: what a native crash printed first (C++'s
+#: "terminate called after throwing ...", gloo's enforce message).
+LINES_BEFORE_DUMP = 10
+
+
 def _last_words(out: str) -> str:
     """The end of a dead rank's output: from faulthandler's last ``Fatal Python error`` on (its
-    dump of every Python thread, up to ``FAULT_DUMP_CHARS``), else the last
-    ``LAST_OUTPUT_CHARS``. faulthandler marks the faulting thread "Current thread" only when it
-    runs Python; when none is marked, the report says the fault was in a native thread."""
+    dump of every Python thread, up to ``FAULT_DUMP_CHARS``) with the ``LINES_BEFORE_DUMP``
+    lines before it, else the last ``LAST_OUTPUT_CHARS``. faulthandler marks the faulting
+    thread "Current thread" only when it runs Python; when none is marked, the report says the
+    fault was in a native thread."""
     start = out.rfind(_FAULT)
     if start == -1:
         return out[-LAST_OUTPUT_CHARS:]
-    tail = out[start : start + FAULT_DUMP_CHARS]  # the faulting thread comes first
+    before = out[:start].splitlines()[-LINES_BEFORE_DUMP:]
+    lead = "\n".join(before)[-LAST_OUTPUT_CHARS:]
+    # The faulting thread comes first in the dump.
+    tail = (lead + "\n" if lead else "") + out[start : start + FAULT_DUMP_CHARS]
     if "Current thread 0x" not in tail:
         tail += (
             "\n(faulthandler marks no thread as current: the fault was in a thread that runs no "

@@ -153,11 +153,15 @@ _DUMP = (
 
 
 def test_a_crashed_ranks_report_keeps_faulthandlers_whole_dump() -> None:
-    # A long preamble (warnings, prints) must not push the dump out of the report.
-    message = _dead_rank("noise\n" * 2000 + _DUMP.format(current="Current thread"))
+    # A long preamble (warnings, prints) must not push the dump out of the report; the lines
+    # just before it (what a native crash printed first) stay.
+    preamble = "noise\n" * 2000 + "terminate called after throwing an instance of 'gloo::X'\n"
+    message = _dead_rank(preamble + _DUMP.format(current="Current thread"))
     assert "Fatal Python error: Segmentation fault" in message
     assert 'File "/t/test_x.py", line 3 in test_x' in message
-    assert "noise" not in message.split("its last output:")[1]
+    section = message.split("its last output:\n")[1]
+    assert section.startswith("noise\n") and section.count("noise") == 9
+    assert "terminate called after throwing an instance of 'gloo::X'\nFatal Python" in section
     assert "no thread as current" not in message
 
 
