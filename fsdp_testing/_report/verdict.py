@@ -71,12 +71,10 @@ def judge(obs: Observation) -> Verdict:
 #: How much of a dead rank's output the report shows, and of faulthandler's dump of its threads.
 LAST_OUTPUT_CHARS = 3000
 FAULT_DUMP_CHARS = 12000
-_FAULT = "Fatal Python error:"
-
-
 #: Lines of output kept before faulthandler's dump: what a native crash printed first (C++'s
 #: "terminate called after throwing ...", gloo's enforce message).
 LINES_BEFORE_DUMP = 10
+_FAULT = "Fatal Python error:"
 
 
 def _last_words(out: str) -> str:
