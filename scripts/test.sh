@@ -5,6 +5,8 @@
 # Tests run on two pytest-xdist workers, a test file per worker at a time (--dist loadfile keeps
 # a file's module-scoped scenario runs in one worker): most of a distributed test's time is spent
 # waiting on ranks, so two workers on two cores halve the wall time. Pass -n 0 to run serially.
+# --no-loadscope-reorder: the files in collection order, where the root conftest.py puts the
+# longest first (xdist would order them by their number of tests).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh || exit 1
@@ -14,7 +16,7 @@ bash scripts/setup.sh || exit 1
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 .venv/bin/mkdocs build --strict --quiet --site-dir "$site" || exit 1
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "scripts/test.sh: pytest collected no tests: that is a failure" >&2
