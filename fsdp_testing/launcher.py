@@ -15,12 +15,16 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 from fsdp_testing._launch.base import Launcher
 from fsdp_testing._launch.spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
 from fsdp_testing._launch.torchrun import job_env
 from fsdp_testing._protocol import Task
 from fsdp_testing._report.verdict import Verdict, VerdictOutcome, judge
+
+if TYPE_CHECKING:
+    from fsdp_testing._launch.pool import ProcessLauncher, SentTask
 
 __all__ = [
     "LaunchSettings",
@@ -195,7 +199,7 @@ def run_distributed(
         pool: override ``settings.pool`` for this task.
     """
     backend = resolve_backend(spec, settings.backend)
-    timeout = spec.timeout if spec.timeout is not None else settings.timeout
+    timeout = _timeout(spec, settings)
     if spec.faults:
         from fsdp_testing.faults import validate_for_mode
 
@@ -214,6 +218,42 @@ def run_distributed(
         reuse=settings.pool if pool is None else pool,
     )
     return judge(obs)
+
+
+def _timeout(spec: DistSpec, settings: LaunchSettings) -> float:
+    return spec.timeout if spec.timeout is not None else settings.timeout
+
+
+@dataclasses.dataclass
+class SentAhead:
+    """A task already running on warm ranks (:func:`send_ahead`); :meth:`verdict` waits for it."""
+
+    _launcher: ProcessLauncher
+    _sent: SentTask
+
+    def verdict(self) -> Verdict:
+        return judge(self._launcher.finish(self._sent))
+
+
+def send_ahead(task: Task, spec: DistSpec, settings: LaunchSettings) -> SentAhead | None:
+    """Send a process-mode ``task`` to warm ranks now and judge it later; None (nothing sent)
+    where ``run_distributed`` has to run it: other modes, no warm ranks ready for it, a job's
+    ranks, fresh processes, faults. See [Note: a test sent at the end of its setup] in
+    ``fsdp_testing/plugin.py``."""
+    if spec.mode is not Mode.PROCESS or not settings.pool or spec.faults:
+        return None
+    launcher = get_launcher(spec.mode)
+    from fsdp_testing._launch.pool import ProcessLauncher
+
+    if not isinstance(launcher, ProcessLauncher):  # a job's ranks: run in the call
+        return None
+    sent = launcher.send_to_warm_ranks(
+        task,
+        world_size=spec.world_size,
+        backend=resolve_backend(spec, settings.backend),
+        timeout=_timeout(spec, settings),
+    )
+    return None if sent is None else SentAhead(launcher, sent)
 
 
 def shutdown() -> None:

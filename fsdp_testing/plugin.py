@@ -291,11 +291,26 @@ def _parse_spec_of(item: pytest.Item) -> DistSpec | None:
     return specs[0]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
+# [Note: a test sent at the end of its setup]
+# A process-mode test whose warm ranks are ready is sent to them as soon as its fixtures are set
+# up (the end of pytest's setup phase), and its result is read in the call phase: the ranks run
+# it while pytest reports the setup and enters the call (on the development machine about 0.5
+# ms of a 3.4 ms test, see docs/benchmarks.md). The body runs where it would have run, on the
+# ranks, with the same fixture values and the same timeout (counted from the send); pytest's
+# durations show part of it under setup. Nothing is sent ahead where the call may not follow or
+# the ranks are not warm: ``--setup-only`` and ``--setup-plan``, fresh processes
+# (``no_dist_pool``, ``--no-dist-pool``), no warm generation for the world (the call starts
+# one), a job's ranks, faults, a test whose fixtures cannot travel (the call raises that error,
+# as before). A task sent whose call never came is waited for in teardown, so that the ranks
+# are free (and judged trustworthy or not) before the next test.
+_sent_key = pytest.StashKey["Any"]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
     spec = _spec_of(item)
     if spec is None:
-        return
+        return (yield)
     from fsdp_testing.launcher import UnavailableBackend, resolve_backend
 
     try:
@@ -308,6 +323,39 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             f"{job.describe()} has world size {job.world_size}; the test needs "
             f"{spec.world_size} (start the job with at least {spec.world_size} processes)"
         )
+    result = yield  # the fixtures; a failure or skip among them raises here
+    _send_ahead(item, spec)
+    return result
+
+
+def _send_ahead(item: pytest.Item, spec: DistSpec) -> None:
+    """See [Note: a test sent at the end of its setup]."""
+    config = item.config
+    if (
+        spec.mode is not Mode.PROCESS
+        or type(item) is not pytest.Function  # not unittest's, whose runtest is its own
+        or config.getoption("setuponly", False)
+        or config.getoption("setupplan", False)
+        or item.get_closest_marker("no_dist_pool") is not None
+    ):
+        return
+    try:
+        task = _build_task(item, portable=True)
+    except TypeError:
+        return  # raised again by the call, where it belongs
+    from fsdp_testing.launcher import send_ahead
+
+    sent = send_ahead(task, spec, config.stash[_settings_key])
+    if sent is not None:
+        item.stash[_sent_key] = sent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    sent = item.stash.get(_sent_key, None)
+    if sent is not None:  # its call never came: see [Note: a test sent at the end of its setup]
+        del item.stash[_sent_key]
+        sent.verdict()
 
 
 def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:
@@ -407,14 +455,19 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     from fsdp_testing.launcher import VerdictOutcome, get_launcher, run_distributed
 
-    portable = get_launcher(spec.mode).crosses_processes
-    fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
-    verdict = run_distributed(
-        _build_task(pyfuncitem, portable=portable),
-        spec,
-        pyfuncitem.config.stash[_settings_key],
-        pool=False if fresh else None,
-    )
+    sent = pyfuncitem.stash.get(_sent_key, None)
+    if sent is not None:  # see [Note: a test sent at the end of its setup]
+        del pyfuncitem.stash[_sent_key]
+        verdict = sent.verdict()
+    else:
+        portable = get_launcher(spec.mode).crosses_processes
+        fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
+        verdict = run_distributed(
+            _build_task(pyfuncitem, portable=portable),
+            spec,
+            pyfuncitem.config.stash[_settings_key],
+            pool=False if fresh else None,
+        )
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome is VerdictOutcome.FAILED:

@@ -99,6 +99,18 @@ class _Generation:
         return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
+@dataclasses.dataclass
+class SentTask:
+    """A task on its way on every rank of ``gen``; :meth:`ProcessLauncher.finish` waits for it."""
+
+    gen: _Generation
+    timeout: float
+    deadline: Deadline
+    offsets: list[int]
+    """Each rank's log size before the task: what it writes from there is this task's."""
+    reuse: bool
+
+
 class ProcessLauncher:
     """Runs tasks on rank processes forked from one fork server, kept warm between tests."""
 
@@ -274,11 +286,39 @@ class ProcessLauncher:
             gen = None
         if gen is None:
             gen = self._start_generation(world_size, backend, pg_timeout_s)
+        return self.finish(self._send(gen, task, timeout, reuse))
+
+    def send_to_warm_ranks(
+        self, task: Task, *, world_size: int, backend: str, timeout: float
+    ) -> SentTask | None:
+        """Send ``task`` to the warm ranks of its world and return at once (``finish`` waits
+        for them); None when no warm generation is ready for it, whose ranks ``run`` would
+        start. See [Note: a test sent at the end of its setup] in ``fsdp_testing/plugin.py``."""
+        key = (world_size, backend)
+        gen = self._pools.get(key)
+        if gen is None or gen.pg_timeout_s < max(timeout, MIN_PG_TIMEOUT_S):
+            return None
+        del self._pools[key]
+        if not self._reset(gen):
+            return None
+        return self._send(gen, task, timeout, reuse=True)
+
+    def _send(self, gen: _Generation, task: Task, timeout: float, reuse: bool) -> SentTask:
         payload = pickle.dumps(task)
-        offsets = [gen.log_size(r) for r in range(world_size)]
-        for conn in gen.conns:
-            conn.send_bytes(payload)
-        obs = self._collect(gen, timeout, offsets)
+        offsets = [gen.log_size(r) for r in range(gen.world_size)]
+        deadline = Deadline(timeout)  # the test's time runs from here
+        try:
+            for conn in gen.conns:
+                conn.send_bytes(payload)
+        except BaseException:  # some ranks may run it: none of them can be trusted
+            self._discard(gen)
+            raise
+        return SentTask(gen, timeout, deadline, offsets, reuse)
+
+    def finish(self, sent: SentTask) -> Observation:
+        """Wait for every rank of a task sent by ``_send`` and observe how each finished."""
+        gen = sent.gen
+        obs = self._collect(gen, sent.timeout, sent.deadline, sent.offsets)
         # A test that raised may have left a collective in flight on some ranks (issued with
         # ``async_op=True``, never waited on): the next test's first collective would pair
         # with it. See [Note: warm pool isolation].
@@ -286,8 +326,8 @@ class ProcessLauncher:
             r.needs_restart or r.outcome in (Outcome.FAILED, Outcome.XFAILED)
             for r in obs.results.values()
         )
-        if reuse and trusted:
-            self._pools[key] = gen
+        if sent.reuse and trusted:
+            self._pools[(gen.world_size, gen.backend)] = gen
         else:
             self._discard(gen)
         return obs
@@ -321,8 +361,9 @@ class ProcessLauncher:
         self._discard(gen)
         return False
 
-    def _collect(self, gen: _Generation, timeout: float, offsets: list[int]) -> Observation:
-        deadline = Deadline(timeout)
+    def _collect(
+        self, gen: _Generation, timeout: float, deadline: Deadline, offsets: list[int]
+    ) -> Observation:
         pending = {conn: rank for rank, conn in enumerate(gen.conns)}
         obs = Observation(world_size=gen.world_size, timeout=timeout)
         while pending:
