@@ -294,8 +294,8 @@ def _parse_spec_of(item: pytest.Item) -> DistSpec | None:
 # [Note: a test sent at the end of its setup]
 # A process-mode test whose warm ranks are ready is sent to them as soon as its fixtures are set
 # up (the end of pytest's setup phase), and its result is read in the call phase: the ranks run
-# it while pytest reports the setup and enters the call (on the development machine about 0.5
-# ms of a 3.4 ms test, see docs/benchmarks.md). The body runs where it would have run, on the
+# it while pytest reports the setup and enters the call (on the development machine about 0.45
+# ms of a 3.35 ms test, see docs/benchmarks.md). The body runs where it would have run, on the
 # ranks, with the same fixture values and the same timeout (counted from the send); pytest's
 # durations show part of it under setup. Nothing is sent ahead where the call may not follow or
 # the ranks are not warm: ``--setup-only`` and ``--setup-plan``, fresh processes

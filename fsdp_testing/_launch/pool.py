@@ -274,16 +274,9 @@ class ProcessLauncher:
             timeout: seconds until the test counts as hung.
             reuse: keep the ranks warm for the next test when they can be trusted.
         """
-        key = (world_size, backend)
         pg_timeout_s = max(timeout, MIN_PG_TIMEOUT_S)
         # A fresh-process test leaves the warm generation (if any) for the tests after it.
-        gen = self._pools.pop(key, None) if reuse else None
-        if gen is not None and gen.pg_timeout_s < pg_timeout_s:
-            # Its collectives would raise before this test's timeout: start a longer-lived one.
-            self._discard(gen)
-            gen = None
-        if gen is not None and not self._reset(gen):
-            gen = None
+        gen = self._take_warm(world_size, backend, pg_timeout_s) if reuse else None
         if gen is None:
             gen = self._start_generation(world_size, backend, pg_timeout_s)
         return self.finish(self._send(gen, task, timeout, reuse))
@@ -294,14 +287,20 @@ class ProcessLauncher:
         """Send ``task`` to the warm ranks of its world and return at once (``finish`` waits
         for them); None when no warm generation is ready for it, whose ranks ``run`` would
         start. See [Note: a test sent at the end of its setup] in ``fsdp_testing/plugin.py``."""
-        key = (world_size, backend)
-        gen = self._pools.get(key)
-        if gen is None or gen.pg_timeout_s < max(timeout, MIN_PG_TIMEOUT_S):
+        gen = self._take_warm(world_size, backend, max(timeout, MIN_PG_TIMEOUT_S))
+        return None if gen is None else self._send(gen, task, timeout, reuse=True)
+
+    def _take_warm(self, world_size: int, backend: str, pg_timeout_s: float) -> _Generation | None:
+        """The warm generation of (``world_size``, ``backend``), out of the pool and reset, if
+        one can serve a test whose group must wait ``pg_timeout_s``; None otherwise."""
+        gen = self._pools.pop((world_size, backend), None)
+        if gen is not None and gen.pg_timeout_s < pg_timeout_s:
+            # Its collectives would raise before this test's timeout: a longer-lived one starts.
+            self._discard(gen)
             return None
-        del self._pools[key]
-        if not self._reset(gen):
+        if gen is not None and not self._reset(gen):
             return None
-        return self._send(gen, task, timeout, reuse=True)
+        return gen
 
     def _send(self, gen: _Generation, task: Task, timeout: float, reuse: bool) -> SentTask:
         payload = pickle.dumps(task)
@@ -356,7 +355,7 @@ class ProcessLauncher:
             "not reset their state after the last test; this test runs on new ranks.\n"
             + "\n".join(failures),
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         self._discard(gen)
         return False
