@@ -38,3 +38,7 @@ def test_threads_are_cheap_ranks(rank, world_size):
 def test_sharding_math_at_a_large_world_size(world_size):
     shard = torch.empty(-(-4099 // world_size))  # ceil-divided dim-0 shard, as FSDP pads
     assert shard.numel() * world_size >= 4099 and dist.get_world_size() == 1024
+
+
+if __name__ == "__main__":  # `python examples/test_collectives.py` runs this file under pytest
+    raise SystemExit(pytest.main([__file__, "-q"]))

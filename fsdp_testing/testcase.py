@@ -30,6 +30,7 @@ from fsdp_testing._compat.accelerator_errors import needs_accelerator as _needs_
 from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
+from fsdp_testing._rank.resolve import alias_main_module
 from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
 from fsdp_testing._report.text import add_note
 from fsdp_testing._unittest.assertions import TestCase
@@ -349,6 +350,8 @@ class _DistributedTestCase(TestCase):
         test_id = self.id()
         if spec.mode is Mode.PROCESS:
             module = sys.modules[type(self).__module__]
+            if module.__name__ == "__main__":
+                alias_main_module()  # See [Note: a test file run as a script]
             ref = FunctionRef(
                 module.__name__, getattr(module, "__file__", None), type(self).__qualname__
             )

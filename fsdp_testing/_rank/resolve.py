@@ -2,6 +2,15 @@
 
 Test modules are loaded with pytest's assertion rewriting, so a failing ``assert`` on a rank
 explains itself the way it would in the parent.
+
+[Note: a test file run as a script]
+``python test_x.py`` ending in ``run_tests()`` or ``unittest.main()`` (how torch's own
+distributed test files are run) makes the test classes live in ``__main__``. A rank process's
+``__main__`` is the fork server, so the rank loads the script from its file, under the name
+``__mp_main__`` (as multiprocessing's spawn does): its ``if __name__ == "__main__":`` block does
+not run again on the rank, which would start unittest over the fork server's command line. The
+rank then points ``__main__`` at that module, and the parent points ``__mp_main__`` at its
+``__main__`` (``alias_main_module``), so objects pickled either way resolve.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from typing import Any
 
 from fsdp_testing._protocol import FunctionRef
 
-__all__ = ["resolve"]
+__all__ = ["MAIN_ALIAS", "alias_main_module", "resolve"]
 
 
 def _same_file(module: ModuleType, path: str | None) -> bool:
@@ -53,7 +62,27 @@ def _load_rewritten(name: str, path: str) -> ModuleType:
     return module
 
 
+# See [Note: a test file run as a script].
+MAIN_ALIAS = "__mp_main__"
+
+
+def _import_main(path: str | None) -> ModuleType:
+    if path is None:
+        raise ImportError(
+            "a test defined in __main__ without a file (an interactive session or `python -c`) "
+            "cannot run on rank processes: put it in a file, or use mode='thread' or 'local'"
+        )
+    module = sys.modules.get(MAIN_ALIAS)
+    if module is None or not _same_file(module, path):
+        module = _load_rewritten(MAIN_ALIAS, path)
+    # Pickles from the parent name the script's classes `__main__.X`.
+    sys.modules["__main__"] = module
+    return module
+
+
 def _import(name: str, path: str | None) -> ModuleType:
+    if name == "__main__":
+        return _import_main(path)
     module = sys.modules.get(name)
     if module is not None and _same_file(module, path):
         return module
@@ -73,6 +102,13 @@ def _import(name: str, path: str | None) -> ModuleType:
         if path is None:
             raise
         return _load_rewritten(name, path)
+
+
+def alias_main_module() -> None:
+    """In the parent: let ``__mp_main__.X``, pickled by a rank, resolve to ``__main__.X``."""
+    main = sys.modules.get("__main__")
+    if main is not None:
+        sys.modules.setdefault(MAIN_ALIAS, main)
 
 
 def resolve(ref: FunctionRef) -> Any:
