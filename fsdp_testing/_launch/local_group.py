@@ -25,6 +25,10 @@ from torch.futures import Future
 
 from fsdp_testing._launch import local_reduce
 from fsdp_testing._launch.baton import Baton
+from fsdp_testing._launch.collective_match import describe_call as _describe
+from fsdp_testing._launch.collective_match import group_label, mismatch_message
+from fsdp_testing._launch.collective_match import ordinal as _ordinal
+from fsdp_testing._launch.collective_match import reduce_op_name as _op_name
 from fsdp_testing._launch.rank_threads import Aborted
 
 __all__ = ["LocalGroup", "LocalWorld", "create_local_group", "register_backend"]
@@ -66,16 +70,6 @@ def set_current_world(world: LocalWorld | None) -> None:
     _current = world
 
 
-def _describe(op: str, tensors: Sequence[torch.Tensor], extra: str = "") -> str:
-    shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
-    return f"{op}({shapes}{', ' + extra if extra else ''})"
-
-
-def _op_name(opts: Any) -> str:
-    op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
-    return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
-
-
 def _reduce_op(opts: Any) -> Any:
     op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
     return getattr(op, "op", op)
@@ -89,11 +83,6 @@ def _completed(result: Any) -> dist.Work:
 
 def _flat(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().reshape(-1) for t in tensors]
-
-
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 class LocalGroup(dist.ProcessGroup):
@@ -173,23 +162,11 @@ class LocalGroup(dist.ProcessGroup):
         return _completed(result)
 
     def _label(self) -> str:
-        if self._default:
-            return "the default group"
-        return f"group {self._name!r} (ranks {self._global_ranks})"
+        return group_label(self._name, self._global_ranks, self._default)
 
     def _mismatch(self, meeting: _Meeting) -> str:
-        by_signature: dict[str, list[int]] = {}
-        for group_rank, sig in sorted(meeting.signatures.items()):
-            by_signature.setdefault(sig, []).append(self._global_ranks[group_rank])
-        parts = [
-            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} issued {sig}"
-            for sig, r in by_signature.items()
-        ]
-        return (
-            f"the ranks issued different collectives as the {_ordinal(self._seq)} collective of "
-            f"{self._label()}: {'; '.join(parts)}. A real run would hang or mix data here; "
-            "every rank must issue the same collectives in the same order."
-        )
+        calls = {self._global_ranks[r]: sig for r, sig in meeting.signatures.items()}
+        return mismatch_message(calls, self._seq, self._label())
 
     # --- reductions ----------------------------------------------------------------------------
 
