@@ -26,6 +26,9 @@ before that collective starts; the report names the rank, the fault and the coll
   do not, and the test passes.
 - :func:`hang`: block until the harness stops the rank at the test's timeout.
 
+:func:`expect` decorates a test that must fail with a given report: it passes only when the
+named rank failed and the report matches (``xfail(strict=True)`` passes for any failure).
+
 Nothing here imports torch at import time, so faults can be named in markers.
 """
 
@@ -41,13 +44,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from fsdp_testing._report.expectation import ExpectedFailure, expect
 from fsdp_testing.collectives import COLLECTIVE_FAMILIES, family_of
 
 __all__ = [
+    "ExpectedFailure",
     "Fault",
     "FaultKind",
     "InjectedFault",
     "delay",
+    "expect",
     "fail",
     "hang",
     "inject",

@@ -21,6 +21,8 @@ from fsdp_testing._launch.base import Launcher
 from fsdp_testing._launch.spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
 from fsdp_testing._launch.torchrun import job_env
 from fsdp_testing._protocol import Task
+from fsdp_testing._report.expectation import ExpectedFailure
+from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.verdict import Verdict, VerdictOutcome, judge
 
 if TYPE_CHECKING:
@@ -188,6 +190,7 @@ def run_distributed(
     settings: LaunchSettings = LaunchSettings(),
     *,
     pool: bool | None = None,
+    expect: ExpectedFailure | None = None,
 ) -> Verdict:
     """Run ``task`` on every rank that ``spec`` describes and judge the outcome.
 
@@ -197,6 +200,7 @@ def run_distributed(
             mode, the rank to play.
         settings: session defaults.
         pool: override ``settings.pool`` for this task.
+        expect: the failure the test expects (``fsdp_testing.faults.expect``), if any.
     """
     backend = resolve_backend(spec, settings.backend)
     timeout = _timeout(spec, settings)
@@ -217,7 +221,12 @@ def run_distributed(
         timeout=timeout,
         reuse=settings.pool if pool is None else pool,
     )
-    return judge(obs)
+    return _judge(obs, expect)
+
+
+def _judge(obs: Observation, expect: ExpectedFailure | None) -> Verdict:
+    verdict = judge(obs)
+    return verdict if expect is None else expect.judge(obs, verdict)
 
 
 def _timeout(spec: DistSpec, settings: LaunchSettings) -> float:
@@ -231,8 +240,8 @@ class SentAhead:
     _launcher: ProcessLauncher
     _sent: SentTask
 
-    def verdict(self) -> Verdict:
-        return judge(self._launcher.finish(self._sent))
+    def verdict(self, expect: ExpectedFailure | None = None) -> Verdict:
+        return _judge(self._launcher.finish(self._sent), expect)
 
 
 def send_ahead(task: Task, spec: DistSpec, settings: LaunchSettings) -> SentAhead | None:

@@ -451,14 +451,23 @@ def _build_task(item: pytest.Function, *, portable: bool) -> Task:
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = _spec_of(pyfuncitem)
+    from fsdp_testing._report.expectation import expectation_of
+
+    expect = expectation_of(pyfuncitem.obj)
     if spec is None:
+        if expect is not None:
+            pytest.fail(
+                f"{pyfuncitem.nodeid}: faults.expect(...) judges the report of a distributed "
+                "test; add @pytest.mark.distributed(world_size=N) or remove it",
+                pytrace=False,
+            )
         return None
     from fsdp_testing.launcher import VerdictOutcome, get_launcher, run_distributed
 
     sent = pyfuncitem.stash.get(_sent_key, None)
     if sent is not None:  # see [Note: a test sent at the end of its setup]
         del pyfuncitem.stash[_sent_key]
-        verdict = sent.verdict()
+        verdict = sent.verdict(expect)
     else:
         portable = get_launcher(spec.mode).crosses_processes
         fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
@@ -467,6 +476,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             spec,
             pyfuncitem.config.stash[_settings_key],
             pool=False if fresh else None,
+            expect=expect,
         )
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)

@@ -31,7 +31,8 @@ from fsdp_testing._launch.spec import DistSpec, Mode, fake_ranks, mode_named
 from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.resolve import alias_main_module
-from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip
+from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip, multi_device_message
+from fsdp_testing._report.expectation import expectation_of
 from fsdp_testing._report.text import add_note
 from fsdp_testing._unittest.assertions import TestCase
 from fsdp_testing._unittest.world import (
@@ -90,6 +91,9 @@ def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = True) -> Callable[[_F], _F]:
             return fn(*args, **kwargs)
 
         wrapper._fsdp_testing_gpus = (x, allow_cpu)  # type: ignore[attr-defined]
+        # torch 2.15's attribute, which its test/conftest.py reads at collection to place a test
+        # on a machine with enough GPUs.
+        wrapper._min_gpus_required = x  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorator
@@ -99,8 +103,7 @@ def _gpu_skip_reason(x: int, allow_cpu: bool) -> str | None:
     count = _accelerator_count()
     if count >= x or (allow_cpu and count == 0):
         return None
-    skip = TEST_SKIPS.get(f"multi-gpu-{x}")
-    return skip.message if skip else f"Need at least {x} CUDA devices"
+    return multi_device_message(x)
 
 
 def run_subtests(
@@ -371,6 +374,7 @@ class _DistributedTestCase(TestCase):
                     one,
                     settings,
                     pool=None if self.use_warm_pool else False,
+                    expect=expectation_of(method),
                 )
                 played = f"[fake rank {one.rank}] " if len(specs) > 1 else ""
                 for title, content in verdict.sections:
