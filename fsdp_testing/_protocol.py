@@ -126,6 +126,14 @@ class RankResult:
     """``time.time()`` when the body ended: orders failures across ranks."""
     comm_error: bool = False
     """The failure came from a collective broken by a peer, not from the test body's logic."""
+    fingerprint: str = ""
+    """Equal for ranks that failed with the same error (type, message, frames): the report shows
+    it once for all of them (``fsdp_testing/_report/failure.py``)."""
+    place: str = ""
+    """Equal for ranks that failed at the same place (type, frames), whatever the message."""
+    pending: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """A failure the parent formats into ``message`` (a rank thread of the parent's process);
+    see [Note: formatting a failure in the parent] in ``fsdp_testing/_report/failure.py``."""
     needs_restart: bool = False
     """The rank cannot serve another test (e.g. the body destroyed the default group)."""
     imported: tuple[str, ...] = ()

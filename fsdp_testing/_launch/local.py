@@ -15,6 +15,7 @@ import os
 from fsdp_testing._launch.baton import Baton
 from fsdp_testing._launch.threads import run_rank_threads
 from fsdp_testing._protocol import Outcome, RankResult, Task
+from fsdp_testing._report import failure
 from fsdp_testing._report.observation import Observation
 
 __all__ = ["LocalLauncher"]
@@ -56,6 +57,11 @@ class LocalLauncher:
         _set_thread_isolation(True)
         mtpg._install_threaded_pg()  # per-thread c10d state; autograd runs on the rank's thread
 
+        def enter(rank: int) -> None:
+            # See [Note: formatting a failure in the parent] in ``_report/failure.py``.
+            failure.format_in_parent()
+            baton.enter(rank)
+
         def leave(rank: int, result: RankResult) -> None:
             baton.leave(rank, failed=result.outcome is Outcome.FAILED)
 
@@ -68,7 +74,7 @@ class LocalLauncher:
                 timeout=timeout,
                 store=dist.HashStore(),
                 wake=baton.abort,
-                enter=baton.enter,
+                enter=enter,
                 leave=leave,
                 wake_on_failure=False,  # the baton aborts a failed rank's peers itself
             )

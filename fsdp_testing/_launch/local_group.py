@@ -30,6 +30,8 @@ from fsdp_testing._launch.collective_match import group_label, mismatch_message
 from fsdp_testing._launch.collective_match import ordinal as _ordinal
 from fsdp_testing._launch.collective_match import reduce_op_name as _op_name
 from fsdp_testing._launch.rank_threads import Aborted
+from fsdp_testing._report.collective_log import current_recorder
+from fsdp_testing.collectives import family_of
 
 __all__ = ["LocalGroup", "LocalWorld", "create_local_group", "register_backend"]
 
@@ -42,6 +44,7 @@ class _Meeting:
 
     payloads: dict[int, Any] = dataclasses.field(default_factory=dict)  # group rank -> data
     signatures: dict[int, str] = dataclasses.field(default_factory=dict)
+    shown: dict[int, str] = dataclasses.field(default_factory=dict)  # as each rank called it
     done: bool = False
     error: str | None = None
 
@@ -73,6 +76,23 @@ def set_current_world(world: LocalWorld | None) -> None:
 def _reduce_op(opts: Any) -> Any:
     op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
     return getattr(op, "op", op)
+
+
+def _as_called(signature: str) -> str:
+    """``signature`` (named after the group method torch reached, e.g.
+    ``all_gather_into_tensor(...)``) with the collective named as the rank's code called it:
+    the rank's collective log holds the ``torch.distributed`` function it entered
+    (``all_gather_single``, ``_all_gather_base``), when that is a spelling of the same
+    collective. Ranks are matched on ``signature``, so two spellings of one collective meet."""
+    op = signature.split("(", 1)[0]
+    recorder = current_recorder()
+    called = recorder.entries[-1] if recorder is not None and recorder.entries else None
+    if called is None or called.get("state") != "entered" or called["op"] == op:
+        return signature
+    family = family_of(op)
+    if family is None or family_of(called["op"]) != family:
+        return signature
+    return called["op"] + signature[len(op) :]
 
 
 def _completed(result: Any) -> dist.Work:
@@ -143,6 +163,7 @@ class LocalGroup(dist.ProcessGroup):
         meeting = world.meetings.setdefault((self._name, self._seq), _Meeting())
         meeting.payloads[self._rank] = payload
         meeting.signatures[self._rank] = signature
+        shown = meeting.shown[self._rank] = _as_called(signature)
         if len(meeting.payloads) == self._size:
             del world.meetings[(self._name, self._seq)]
             if len(set(meeting.signatures.values())) > 1:
@@ -151,11 +172,11 @@ class LocalGroup(dist.ProcessGroup):
                 try:
                     finish([meeting.payloads[r] for r in range(self._size)])
                 except Exception as exc:
-                    meeting.error = f"{signature} failed: {type(exc).__name__}: {exc}"
+                    meeting.error = f"{shown} failed: {type(exc).__name__}: {exc}"
             meeting.done = True
             world.baton.wake(self._global_ranks)
         else:
-            what = f"{signature}, the {_ordinal(self._seq)} collective of {self._label()}"
+            what = f"{shown}, the {_ordinal(self._seq)} collective of {self._label()}"
             world.baton.block(me, what, lambda: meeting.done)
         if meeting.error is not None:
             raise RuntimeError(f"[rank {me}] mode='local': {meeting.error}")
@@ -165,7 +186,7 @@ class LocalGroup(dist.ProcessGroup):
         return group_label(self._name, self._global_ranks, self._default)
 
     def _mismatch(self, meeting: _Meeting) -> str:
-        calls = {self._global_ranks[r]: sig for r, sig in meeting.signatures.items()}
+        calls = {self._global_ranks[r]: shown for r, shown in meeting.shown.items()}
         return mismatch_message(calls, self._seq, self._label())
 
     # --- reductions ----------------------------------------------------------------------------

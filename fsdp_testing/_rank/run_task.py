@@ -5,7 +5,6 @@ formatting a failure the way pytest would. Shared by every launch mode.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import unittest
 from collections.abc import Iterator
@@ -15,10 +14,10 @@ from fsdp_testing._rank.capture import CaptureRouter
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.resolve import resolve
 from fsdp_testing._rank.skips import skip_message_for_exit_code
+from fsdp_testing._report import failure
 
 __all__ = ["run_task"]
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMM_ERROR_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -28,27 +27,17 @@ _COMM_ERROR_MARKERS = (
 )
 
 
-def _format_failure(exc: BaseException, tbstyle: str, *, brief: bool = False) -> str:
-    """``exc``'s traceback as pytest shows it; ``brief``: the standard library's plain format,
-    for a rank whose collective broke because a peer failed (reports show such a rank's one-line
-    summary, and pytest's format costs about 10 ms a rank: a second for 128 thread ranks)."""
-    if brief:
-        import traceback
-
-        return "".join(traceback.format_exception(exc))
-    try:
-        from _pytest._code import ExceptionInfo
-
-        info = ExceptionInfo.from_exception(exc)
-        info.traceback = info.traceback.filter(
-            lambda entry: not str(entry.path).startswith(_PKG_DIR)
-        )
-        style = {"auto": "long", "no": "short"}.get(tbstyle, tbstyle)
-        return str(info.getrepr(style=style, chain=True, truncate_locals=True))  # type: ignore[arg-type]
-    except Exception:  # pragma: no cover - fall back on the standard library's format
-        import traceback
-
-        return "".join(traceback.format_exception(exc))
+def _record_failure(result: RankResult, exc: BaseException, tbstyle: str) -> None:
+    """Fill in the failure's summary (unless set), fingerprint and traceback, formatted now or by
+    the parent (see [Note: formatting a failure in the parent] in ``_report/failure.py``)."""
+    facts = failure.describe(exc)
+    result.summary = result.summary or facts.summary
+    result.fingerprint, result.place = facts.fingerprint, facts.place
+    brief = result.comm_error  # such a rank's report is its summary line
+    if failure.formats_in_parent():
+        result.pending = failure.Pending(exc, tbstyle, brief=brief)
+    else:
+        result.message = failure.format_failure(exc, tbstyle, brief=brief)
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -108,7 +97,7 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
             result.outcome = Outcome.FAILED
             result.summary = f"SystemExit: the test body called sys.exit({exc.code!r})"
             result.comm_error = _is_comm_error(exc)
-            result.message = _format_failure(exc, task.tbstyle, brief=result.comm_error)
+            _record_failure(result, exc, task.tbstyle)
         else:
             result.outcome = Outcome.SKIPPED
             result.message = message
@@ -117,13 +106,8 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
         result.message = str(exc.msg or exc)
     except BaseException as exc:
         result.outcome = Outcome.FAILED
-        notes = getattr(exc, "__notes__", None) or []
-        first_line = (str(exc).splitlines() or [""])[0]
-        result.summary = f"{type(exc).__name__}: {first_line}"[:300]
-        if notes:
-            result.summary += " [" + "; ".join(notes) + "]"
         result.comm_error = _is_comm_error(exc)
-        result.message = _format_failure(exc, task.tbstyle, brief=result.comm_error)
+        _record_failure(result, exc, task.tbstyle)
         if isinstance(exc, KeyboardInterrupt):
             raise
     finally:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_testing._report.text import rank_label
+from fsdp_testing._report.grouping import group_ranks
+from fsdp_testing._report.text import ranks_phrase
 from fsdp_testing.collectives import family_of
 
 __all__ = [
@@ -69,21 +70,29 @@ def never_entered(records: dict[int, list[dict[str, Any]]]) -> dict[int, tuple[s
     return found
 
 
+def _wait(ranks: set[int] | list[int]) -> str:
+    return "waits" if len(set(ranks)) == 1 else "wait"
+
+
 def describe_divergence(
     records: dict[int, list[dict[str, Any]]], where: Mapping[int, str] | None = None
 ) -> list[str]:
-    """Explain where the ranks' collectives diverge, one line per finding.
+    """Explain where the ranks' collectives diverge, one line per finding; ranks that diverge
+    alike share a line (``ranks 0-62 wait in all_reduce #1 but rank 63 never entered it``).
 
     Compares, per process group, how far each rank got: a rank blocked in ``op #k`` while a
     peer never entered ``#k`` (or entered another op as ``#k``) is the usual cause of a hang.
     ``where`` places ranks on nodes in a job across nodes (see ``text.rank_label``).
     """
     records = {r: collectives_only(entries) for r, entries in records.items()}
+    # finding -> (waiting ranks, peers), in the order first found
+    found: dict[tuple[str, ...], tuple[set[int], set[int]]] = {}
 
-    def name(rank: int) -> str:
-        return rank_label(rank, where)
+    def note(key: tuple[str, ...], rank: int, peer: int) -> None:
+        waiters, peers = found.setdefault(key, (set(), set()))
+        waiters.add(rank)
+        peers.add(peer)
 
-    lines: list[str] = []
     for last in _last_per_group(records):
         waiting = {r: e for r, e in last.items() if e is not None and e["state"] == "entered"}
         for r, e in sorted(waiting.items()):
@@ -92,25 +101,34 @@ def describe_divergence(
                     continue
                 if pe is None or pe["seq"] < e["seq"]:
                     done = "no collective" if pe is None else f"{_fmt(pe)} ({pe['state']})"
-                    lines.append(
-                        f"{name(r)} waits in {_fmt(e)} but {name(peer)} never entered it "
-                        f"(rank {peer}'s last collective: {done})"
-                    )
+                    note(("never", _fmt(e), done), r, peer)
                 elif pe["seq"] == e["seq"] and _family(pe) != _family(e) and peer > r:
-                    lines.append(
-                        f"{name(r)} waits in {_fmt(e)} while {name(peer)} waits in {_fmt(pe)}"
-                    )
+                    note(("other", _fmt(e), _fmt(pe)), r, peer)
                 elif pe["seq"] == e["seq"] and pe["shapes"] != e["shapes"] and peer > r:
-                    lines.append(
-                        f"{name(r)} and {name(peer)} are both in {_fmt(e)} with different "
-                        f"shapes: {e['shapes']} vs {pe['shapes']}"
-                    )
+                    note(("shapes", _fmt(e), str(e["shapes"]), str(pe["shapes"])), r, peer)
+    lines: list[str] = []
+    for key, (waiters, peers) in found.items():
+        who, them = ranks_phrase(waiters, where), ranks_phrase(peers, where)
+        if key[0] == "never":
+            owner = f"rank {min(peers)}'s" if len(peers) == 1 else "their"
+            theirs = f"{owner} last collective: {key[2]}"
+            lines.append(
+                f"{who} {_wait(waiters)} in {key[1]} but {them} never entered it ({theirs})"
+            )
+        elif key[0] == "other":
+            lines.append(
+                f"{who} {_wait(waiters)} in {key[1]} while {them} {_wait(peers)} in {key[2]}"
+            )
+        else:
+            lines.append(
+                f"{who} and {them} are both in {key[1]} with different shapes: {key[2]} vs {key[3]}"
+            )
     if not lines:
         inside = [r for r, es in records.items() if es and es[-1]["state"] == "entered"]
         if inside:
             lines.append(
-                "ranks " + ", ".join(map(str, inside)) + " wait inside a collective that "
-                "every rank entered (a slow or stuck peer outside any recorded collective?)"
+                f"{ranks_phrase(inside, where)} {_wait(inside)} inside a collective that every "
+                "rank entered (a slow or stuck peer outside any recorded collective?)"
             )
         else:
             lines.append("no rank is inside a recorded collective: the hang is in user code")
@@ -122,15 +140,19 @@ def format_records(
     last: int = 5,
     where: Mapping[int, str] | None = None,
 ) -> list[str]:
-    """The last ``last`` collectives of each rank, one line each (``where``: see
-    :func:`describe_divergence`)."""
+    """The last ``last`` collectives of each rank, one line each; ranks whose logs are the same
+    share one entry (``where``: see :func:`describe_divergence`)."""
+
+    def line(e: dict[str, Any]) -> str:
+        return f"    {_fmt(e)} shapes={e['shapes']} dtype={e['dtype']} [{e['state']}]"
+
+    shown = {r: tuple(line(e) for e in collectives_only(es)[-last:]) for r, es in records.items()}
     out: list[str] = []
-    for rank in sorted(records):
-        entries = collectives_only(records[rank])[-last:]
-        if not entries:
-            out.append(f"  {rank_label(rank, where)}: no collectives recorded")
+    for ranks in group_ranks(shown):
+        lines = shown[ranks[0]]
+        if not lines:
+            out.append(f"  {ranks_phrase(ranks, where)}: no collectives recorded")
             continue
-        out.append(f"  {rank_label(rank, where)}:")
-        for e in entries:
-            out.append(f"    {_fmt(e)} shapes={e['shapes']} dtype={e['dtype']} [{e['state']}]")
+        out.append(f"  {ranks_phrase(ranks, where)}:")
+        out.extend(lines)
     return out

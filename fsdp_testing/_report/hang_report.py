@@ -13,17 +13,19 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from fsdp_testing._protocol import Outcome
+from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.divergence import (
     describe_divergence,
     format_records,
     injected_faults,
     never_entered,
 )
+from fsdp_testing._report.failure import mask, message_of
+from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import rank_heading, rank_label, ranks_phrase
+from fsdp_testing._report.text import ranks_heading, ranks_phrase
 
-__all__ = ["readable_stack", "stack_sources", "timeout_report", "trim_stack"]
+__all__ = ["readable_stack", "stack_key", "stack_sources", "timeout_report", "trim_stack"]
 
 _HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
@@ -148,20 +150,62 @@ def trim_stack(text: str) -> str:
     return "\n".join(out)
 
 
+_THREAD_ID = re.compile(r"thread 0x[0-9a-f]+", re.IGNORECASE)
+
+
+def stack_key(stack: str) -> str:
+    """What two ranks' stacks share when they stopped at the same place (thread ids and
+    addresses masked): ranks with equal keys show one stack."""
+    return mask(_THREAD_ID.sub("thread 0x?", stack))
+
+
+def _finished_phrase(result: RankResult) -> str:
+    """How a rank that reported ended its test, in the report's words."""
+    if result.outcome is Outcome.PASSED:
+        return "finished the test (returned)"
+    if result.outcome is Outcome.FAILED:
+        return f"finished the test (failed: {result.summary})"
+    return f"finished the test ({result.outcome.value})"
+
+
+def _holdups(obs: Observation) -> list[str]:
+    """The ranks that hold the others up, grouped: those still running that never entered the
+    collective their peers wait in ("hang"), and those that ended their test without it."""
+    where = obs.where
+    keys: dict[int, tuple[str, str, tuple[int, ...]]] = {}
+    for rank, (what, waiters) in never_entered(obs.records).items():
+        result = obs.results.get(rank)
+        state = _finished_phrase(result) if result is not None else "hangs"
+        keys[rank] = (state, what, tuple(waiters))
+    lines = []
+    for ranks in group_ranks(keys):
+        state, what, waiting = keys[ranks[0]]
+        who = ranks_phrase(ranks, where)
+        wait = "waits" if len(waiting) == 1 else "wait"
+        if state == "hangs":
+            lines.append(
+                f"{who} {'hangs' if len(ranks) == 1 else 'hang'}: "
+                f"{'it' if len(ranks) == 1 else 'they'} never entered {what}, which "
+                f"{ranks_phrase(waiting, where)} {wait} in"
+            )
+        else:
+            lines.append(
+                f"{who} {state} without entering {what}, which "
+                f"{ranks_phrase(waiting, where)} {wait} in"
+            )
+    return lines
+
+
 def timeout_report(obs: Observation) -> str:
-    """The report of a test that hit its timeout: the collective divergence on top, then each
-    running rank's stack."""
+    """The report of a test that hit its timeout: the collective divergence on top, then the
+    stacks of the ranks still running, ranks stopped at the same place sharing one."""
     running = sorted(obs.stragglers)
     where = obs.where
     parts = [
-        f"timed out after {obs.timeout:g} s: {ranks_phrase(running)} still running "
-        f"(of world size {obs.world_size})"
+        f"timed out after {obs.timeout:g} s: {ranks_phrase(running, where)} "
+        f"still running (of world size {obs.world_size})"
     ]
-    for rank, (what, waiters) in sorted(never_entered(obs.records).items()):
-        parts.append(
-            f"{rank_label(rank, where)} hangs: it never entered {what}, which "
-            f"{ranks_phrase(waiters)} wait{'s' if len(waiters) == 1 else ''} in"
-        )
+    parts.extend(_holdups(obs))
     for rank, faults in sorted(injected_faults(obs.records).items()):
         for fault in faults:
             if fault["fault"] == "hang":
@@ -175,12 +219,17 @@ def timeout_report(obs: Observation) -> str:
         parts.extend("  " + line for line in describe_divergence(obs.records, where))
         parts.append("\nlast collectives per rank:")
         parts.extend(format_records(obs.records, where=where))
-    for rank in running:
-        stack = readable_stack(obs.stacks.get(rank, "(none)"), obs.sources.get(rank)).rstrip()
-        parts.append(f"\n{rank_heading(rank, where)} stack when the timeout hit:\n{stack}")
-    for rank, res in sorted(obs.results.items()):
-        if res.outcome is Outcome.FAILED:
-            parts.append(
-                f"\n{rank_heading(rank, where)} failed before the timeout:\n{res.message.rstrip()}"
-            )
+    stacks = {
+        r: readable_stack(obs.stacks.get(r, "(none)"), obs.sources.get(r)).rstrip() for r in running
+    }
+    for ranks in group_ranks({r: stack_key(text) for r, text in stacks.items()}):
+        heading = ranks_heading(ranks, where, of=obs.world_size)
+        parts.append(f"\n{heading} stack when the timeout hit:\n{stacks[ranks[0]]}")
+    failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
+    keys = {r: res.fingerprint or mask(res.summary) for r, res in failed.items()}
+    for ranks in group_ranks(keys, {r: res.finished_at for r, res in failed.items()}):
+        heading = ranks_heading(ranks, where, of=obs.world_size)
+        parts.append(
+            f"\n{heading} failed before the timeout:\n{message_of(failed[ranks[0]]).rstrip()}"
+        )
     return "\n".join(parts)

@@ -4,13 +4,70 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["add_note", "rank_heading", "rank_label", "ranks_phrase"]
+__all__ = [
+    "add_note",
+    "rank_heading",
+    "rank_label",
+    "rank_ranges",
+    "ranks_heading",
+    "ranks_phrase",
+]
 
 
-def ranks_phrase(ranks: Iterable[int]) -> str:
-    """``"rank 1"`` or ``"ranks 0, 2"``."""
-    ordered = sorted(ranks)
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``"0-62"``, ``"0, 1, 5-7"``: runs of three or more consecutive ranks as ranges."""
+    ordered = sorted(set(ranks))
+    runs: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        if j - i >= 2:
+            runs.append(f"{ordered[i]}-{ordered[j]}")
+        else:
+            runs.extend(str(r) for r in ordered[i : j + 1])
+        i = j + 1
+    return ", ".join(runs)
+
+
+def _nodes(ranks: list[int], where: Mapping[int, str] | None) -> str:
+    """``" (node 1)"`` or ``" (nodes 0-1)"`` for ranks that ``where`` places (``"node N, local
+    rank M"``); empty when it places none."""
+    nodes = set()
+    for rank in ranks:
+        place = (where or {}).get(rank, "")
+        head = place.split(",")[0].strip()
+        if head.startswith("node ") and head[5:].isdigit():
+            nodes.add(int(head[5:]))
+    if not nodes:
+        return ""
+    return f" ({'node' if len(nodes) == 1 else 'nodes'} {rank_ranges(nodes)})"
+
+
+def ranks_phrase(
+    ranks: Iterable[int],
+    where: Mapping[int, str] | None = None,
+    *,
+    of: int | None = None,
+) -> str:
+    """``"rank 1"``, ``"ranks 0-62, 63"``; ``of``: the world size, to add the count
+    (``"ranks 0-62 (63 of 64)"``); ``where``: the rank's place (one rank) or the nodes (several)
+    in a job across nodes (see :func:`rank_label`)."""
+    ordered = sorted(set(ranks))
+    if len(ordered) == 1:
+        return rank_label(ordered[0], where)
+    text = "ranks " + rank_ranges(ordered)
+    if of is not None:
+        text += f" ({len(ordered)} of {of})"
+    return text + _nodes(ordered, where)
+
+
+def ranks_heading(
+    ranks: Iterable[int], where: Mapping[int, str] | None = None, *, of: int | None = None
+) -> str:
+    """``[rank 3]`` or ``[ranks 0-62 (63 of 64)]``: the heading of a section for some ranks."""
+    return f"[{ranks_phrase(ranks, where, of=of)}]"
 
 
 def rank_label(rank: int, where: Mapping[int, str] | None = None) -> str:

@@ -12,10 +12,17 @@ import dataclasses
 import enum
 
 from fsdp_testing._protocol import Outcome, RankResult
-from fsdp_testing._report.divergence import injected_faults
-from fsdp_testing._report.hang_report import timeout_report, trim_stack
+from fsdp_testing._report.divergence import (
+    collectives_only,
+    describe_divergence,
+    format_records,
+    injected_faults,
+)
+from fsdp_testing._report.failure import mask, message_of
+from fsdp_testing._report.grouping import group_ranks
+from fsdp_testing._report.hang_report import stack_key, timeout_report, trim_stack
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import rank_heading, rank_label, ranks_phrase
+from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
 
@@ -49,10 +56,10 @@ class Verdict:
 
 def judge(obs: Observation) -> Verdict:
     """Decide the test's outcome from ``obs``."""
+    printed = {r: res.stdout for r, res in obs.results.items() if res.stdout}
     sections = [
-        (f"output {rank_heading(r, obs.where)}", res.stdout)
-        for r, res in sorted(obs.results.items())
-        if res.stdout
+        (f"output {ranks_heading(ranks, obs.where)}", printed[ranks[0]])
+        for ranks in group_ranks(printed)
     ]
     failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
     if obs.timed_out:
@@ -98,48 +105,156 @@ def _last_words(out: str) -> str:
     return tail
 
 
+#: The longest first line of a failure report: the distinct errors, each cut to fit.
+HEADLINE_CHARS = 300
+#: The longest line of a report that the report itself writes (a summary, a message).
+LINE_CHARS = 300
+#: Ranks that failed at the same place with other messages: how many messages are shown.
+VARIANTS_SHOWN = 2
+
+
+def _cut(text: str, limit: int = LINE_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
+
+def _headline(entries: list[tuple[str, str]], suffix: str) -> str:
+    """``who failed: what; who failed: what (suffix)`` within ``HEADLINE_CHARS``: each entry is
+    ``(who, what)``; ``what`` is cut to fit, and entries that do not fit are counted."""
+    room = HEADLINE_CHARS - len(suffix)
+    parts: list[str] = []
+    for i, (who, what) in enumerate(entries):
+        left = len(entries) - i - 1
+        more = f"; {left} more below" if left else ""
+        used = len("; ".join(parts)) + (2 if parts else 0)
+        space = room - used - len(more) - len(who)
+        if space < 40 and parts:
+            parts.append(f"{len(entries) - i} more below")
+            break
+        parts.append(who + _cut(what, max(space, 20)))
+    return "; ".join(parts) + suffix
+
+
+def _who_died(rank_group: list[int], obs: Observation, faults: dict[int, list[dict]]) -> str:
+    first = rank_group[0]
+    who = ranks_phrase(rank_group, obs.where, of=obs.world_size)
+    died = f"{who} {obs.exit_status.get(first, 'exited')}"
+    kills = [f for f in faults.get(first, ()) if f["fault"] == "kill"]
+    if kills and len(rank_group) == 1:
+        died += f" at {kills[-1]['where']} (injected by faults.kill)"
+    return died
+
+
+def _last_call(obs: Observation, rank: int) -> str | None:
+    """``all_reduce #2 [entered]``: the rank's last recorded collective (None: no log)."""
+    entries = collectives_only(obs.records.get(rank, []))
+    if rank not in obs.records:
+        return None
+    if not entries:
+        return "no collective"
+    e = entries[-1]
+    group = "" if e["group"] == "default" else f" on {e['group']}"
+    return f"{e['op']} #{e['seq']}{group} [{e['state']}]"
+
+
 def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
     causes = set(obs.dead) | {r for r, res in failed.items() if not res.comm_error}
     if not causes and failed:
         causes = {min(failed, key=lambda r: failed[r].finished_at)}
     aborted = (set(failed) | obs.stragglers) - causes
-    where = obs.where
-    parts: list[str] = []
-    headline = []
+    where, world = obs.where, obs.world_size
     faults = injected_faults(obs.records)
-    for rank in sorted(causes):
-        if rank in obs.dead:
-            died = f"{rank_label(rank, where)} {obs.exit_status.get(rank, 'exited')}"
-            kills = [f for f in faults.get(rank, ()) if f["fault"] == "kill"]
-            if kills:
-                died += f" at {kills[-1]['where']} (injected by faults.kill)"
-            headline.append(died)
-        else:
-            headline.append(f"{rank_label(rank, where)} failed: {failed[rank].summary}")
-    text = "; ".join(headline)
-    if aborted:
-        text += f" ({ranks_phrase(sorted(aborted))} aborted)"
-    parts.append(text)
-    for rank in sorted(causes):
-        if rank in obs.dead:
-            out = obs.last_output.get(rank, "").rstrip()
+
+    dead = sorted(r for r in causes if r in obs.dead)
+    dead_keys = {
+        r: (obs.exit_status.get(r, "exited"), mask(_last_words(obs.last_output.get(r, ""))))
+        for r in dead
+    }
+    dead_groups = group_ranks(dead_keys)
+    raised = {r: failed[r] for r in causes if r not in obs.dead}
+    error_groups = group_ranks(
+        {r: res.fingerprint or mask(res.summary) for r, res in raised.items()},
+        {r: res.finished_at for r, res in raised.items()},
+    )
+    # Errors at the same place (type and frames) with other messages: a family, shown once.
+    families: dict[str, list[list[int]]] = {}
+    for ranks in error_groups:
+        res = raised[ranks[0]]
+        families.setdefault(res.place or res.fingerprint or mask(res.summary), []).append(ranks)
+
+    entries = [(_who_died(g, obs, faults), "") for g in dead_groups]
+    for groups in families.values():
+        ranks = sorted(r for g in groups for r in g)
+        what = raised[groups[0][0]].summary
+        if len(groups) > 1:
+            others = sorted(r for g in groups[1:] for r in g)
+            what += f" (other messages on {ranks_phrase(others)})"
+        entries.append((f"{ranks_phrase(ranks, where, of=world)} failed: ", what))
+    suffix = f" ({ranks_phrase(sorted(aborted))} aborted)" if aborted else ""
+    parts = [_headline(entries, suffix)]
+
+    for ranks in dead_groups:
+        rank = ranks[0]
+        out = obs.last_output.get(rank, "").rstrip()
+        parts.append(
+            f"\n{ranks_heading(ranks, where, of=world)} {obs.exit_status.get(rank, 'exited')} "
+            "without reporting a result; "
+            + ("its last output" if len(ranks) == 1 else f"the last output of rank {rank}")
+            + ":\n"
+            + (_last_words(out) or "(none)")
+        )
+    for groups in families.values():
+        first = groups[0]
+        heading = ranks_heading(first, where, of=world)
+        if len(first) > 1:
+            heading += f" the same error; the traceback of rank {first[0]}, the first to fail:"
+        parts.append(f"\n{heading}\n{message_of(raised[first[0]]).rstrip()}")
+        for ranks in groups[1 : 1 + VARIANTS_SHOWN]:
             parts.append(
-                f"\n{rank_heading(rank, where)} {obs.exit_status.get(rank, 'exited')} without "
-                "reporting a result; its last output:\n" + (_last_words(out) or "(none)")
+                f"\n{ranks_heading(ranks, where, of=world)} failed at the same place with "
+                f"another message:\n  {_cut(raised[ranks[0]].summary)}"
             )
-        else:
-            parts.append(f"\n{rank_heading(rank, where)}\n{failed[rank].message.rstrip()}")
-    for rank in sorted(aborted):
-        if rank in obs.stragglers:
-            stack = obs.stacks.get(rank, "").rstrip()
+        rest = sorted(r for g in groups[1 + VARIANTS_SHOWN :] for r in g)
+        if rest:
             parts.append(
-                f"\n{rank_heading(rank, where)} aborted: still running after "
-                f"{ranks_phrase(sorted(causes))} failed; it was stopped. Where it was:\n"
-                + (trim_stack(stack) or "(no stack dump)")
+                f"\n{ranks_heading(rest, where, of=world)} failed at the same place with other "
+                f"messages, e.g. rank {rest[0]}:\n  {_cut(raised[rest[0]].summary)}"
             )
-        else:
-            parts.append(
-                f"\n{rank_heading(rank, where)} aborted: its collective broke because a peer "
-                f"failed: {failed[rank].summary}"
-            )
+
+    stragglers = sorted(r for r in aborted if r in obs.stragglers)
+    stacks = {r: trim_stack(obs.stacks.get(r, "").rstrip()) for r in stragglers}
+    for ranks in group_ranks({r: stack_key(text) for r, text in stacks.items()}):
+        parts.append(
+            f"\n{ranks_heading(ranks, where, of=world)} aborted: still running after "
+            f"{ranks_phrase(sorted(causes))} failed; "
+            f"{'it was' if len(ranks) == 1 else 'they were'} stopped. Where "
+            + ("it was" if len(ranks) == 1 else f"they were (the stack of rank {ranks[0]})")
+            + ":\n"
+            + (stacks[ranks[0]] or "(no stack dump)")
+        )
+    broken = {r: failed[r] for r in aborted if r not in obs.stragglers}
+    peers = ", ".join(
+        f"{rank_label(c, where)}: {call}"
+        for c in sorted(causes)[:4]
+        if (call := _last_call(obs, c)) is not None
+    )
+    # Grouped by the error's type and the collective: gloo's messages name ports and addresses.
+    keys = {r: (res.summary.split(":")[0], _last_call(obs, r)) for r, res in broken.items()}
+    for ranks in group_ranks(keys):
+        call = keys[ranks[0]][1]
+        their = "its" if len(ranks) == 1 else "their"
+        what = f"{their} collective ({call})" if call else f"{their} collective"
+        because = ranks_phrase(sorted(causes), where)
+        named = f" (last collective of {peers})" if peers else ""
+        parts.append(
+            f"\n{ranks_heading(ranks, where, of=world)} aborted: {what} broke because {because} "
+            f"failed{named}: {_cut(failed[ranks[0]].summary)}"
+            + ("" if len(ranks) == 1 else f" (rank {ranks[0]}'s error)")
+        )
+    if dead and any(collectives_only(entries) for entries in obs.records.values()):
+        # A crash inside a collective (gloo's abort on a mismatch): as a hang report shows it.
+        parts.append("\ncollective divergence:")
+        parts.extend("  " + line for line in describe_divergence(obs.records, where))
+        parts.append("\nlast collectives per rank:")
+        parts.extend(format_records(obs.records, where=where))
     return "\n".join(parts)

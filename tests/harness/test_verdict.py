@@ -71,8 +71,7 @@ def test_when_every_failure_is_a_broken_collective_the_first_to_fail_is_blamed()
     assert message.splitlines()[0] == (
         "rank 1 failed: RuntimeError: boom on rank 1 (ranks 0, 2 aborted)"
     )
-    assert "[rank 0] aborted: its collective broke because a peer failed" in message
-    assert "[rank 2] aborted: its collective broke because a peer failed" in message
+    assert "[ranks 0, 2 (2 of 3)] aborted: their collective broke because rank 1 failed" in message
 
 
 def test_a_real_failure_is_blamed_over_earlier_broken_collectives() -> None:
