@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,12 +44,17 @@ __all__ = [
     "GroupAllocatedAllGather",
     "GroupAllocatedReduceScatter",
     "ReduceScatterComm",
+    "SymmMemAllGather",
+    "SymmMemComms",
+    "SymmMemReduceScatter",
     "all_gather_flat",
     "all_reduce_flat",
     "check_same_index",
+    "is_default_comm",
     "moves_data",
     "new_buffer",
     "reduce_scatter_flat",
+    "symm_mem_comms",
     "wait",
 ]
 
@@ -147,6 +152,93 @@ class GroupAllocatedReduceScatter(_GroupAllocated):
         async_op: bool = False,
     ) -> Any:
         return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
+
+def is_default_comm(comm: object) -> bool:
+    """Whether ``comm`` is one the engine installs itself (not the caller's custom one)."""
+    return isinstance(comm, GroupAllocatedAllGather | GroupAllocatedReduceScatter | _SymmMem)
+
+
+class _SymmMem:
+    """Staging buffers from symmetric memory's pool on ``device``, made known to the group's
+    peers (rendezvous) before each collective; see [Note: custom collectives]."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group = group
+        self.device = device
+        self._symm_mem = symm_mem
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        pool = self._symm_mem.get_mem_pool(device)
+        with torch.cuda.use_mem_pool(pool):
+            return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def _rendezvous(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._symm_mem.rendezvous(t, group=self.group.group_name)
+
+
+class SymmMemAllGather(_SymmMem):
+    """The default all-gather on a symmetric-memory output buffer."""
+
+    def __call__(
+        self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        self._rendezvous(output)  # in place: only the output is symmetric
+        return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+class SymmMemReduceScatter(_SymmMem):
+    """The default reduce-scatter on symmetric-memory input and output buffers."""
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self._rendezvous(input, output)
+        return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
+
+class SymmMemComms(NamedTuple):
+    all_gather: SymmMemAllGather
+    reduce_scatter: SymmMemReduceScatter
+
+
+def symm_mem_comms(group: dist.ProcessGroup | None, device: torch.device) -> SymmMemComms:
+    """Symmetric-memory all-gather and reduce-scatter over ``group`` on ``device``, or a
+    ``RuntimeError`` naming what is missing: CUDA, an NCCL group, torch's symmetric memory."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(
+            f"set_symm_mem_for_comm needs CUDA: symmetric memory is allocated on a CUDA device "
+            f"for NCCL, but this module computes on {device}. Leave it unset on the CPU (gloo)."
+        )
+    backend = dist.get_backend(group) if group is not None else dist.get_backend()
+    if backend != "nccl":
+        raise RuntimeError(
+            f"set_symm_mem_for_comm needs an NCCL process group, got {backend!r}; init the "
+            "process group with backend='nccl'."
+        )
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as error:  # pragma: no cover - a torch built without it
+        raise RuntimeError(
+            "set_symm_mem_for_comm needs torch.distributed._symmetric_memory, which this torch "
+            "build lacks."
+        ) from error
+    symm_mem.set_backend("NCCL")
+    if group is None:
+        raise RuntimeError("set_symm_mem_for_comm: this unit is not sharded over a group.")
+    # A rendezvous needs the communicator initialized; one barrier at setup does it.
+    dist.barrier(group=group)
+    return SymmMemComms(SymmMemAllGather(group, device), SymmMemReduceScatter(group, device))
 
 
 def _publish(

@@ -146,7 +146,7 @@ class GatherExtensions:
         self, unit: FSDPUnit, p: ShardedParam, local: torch.Tensor, state: _State, metadata: Any
     ) -> None:
         post = local.fsdp_post_all_gather  # type: ignore[attr-defined]
-        param_dtype = unit.precision.compute_dtype_of(p.padded_shard.dtype)
+        param_dtype = unit.compute_dtype_for(p, p.padded_shard.dtype)
         outputs = tuple(state.outputs)
         if state.result is None:
             returned = post(outputs, metadata, param_dtype)

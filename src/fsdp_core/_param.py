@@ -214,6 +214,12 @@ class ShardedParam:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
         self._aliased = alias
         self.state = ShardedState.SHARDED
+        # ``param_dtype_override_fn`` kept it in its dtype; see [Note: parameters kept in their
+        # dtype] in ``_unit``.
+        self.keeps_dtype = False
+        # ``set_keep_unsharded_storage(True)``: a reshard keeps the unsharded storage, so its
+        # data pointer survives reshard and unshard (CUDA graph capture).
+        self.keep_unsharded_storage = False
         # See [Note: unreduced gradients].
         self.unreduced_grad: torch.Tensor | None = None  # full shape, in ``reduce_dtype``
         # The full shape with ``chunk_rows * world`` rows along the shard dim.
@@ -364,6 +370,13 @@ class ShardedParam:
         self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
         self.free_unsharded()
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward and backward see this parameter in."""
+        if self._unsharded_padded is None:
+            return self.padded_shard.dtype
+        return self._unsharded_padded.dtype
+
     def alloc_unsharded(self) -> None:
         if self._unsharded_padded is not None:
             storage = self._unsharded_padded.untyped_storage()
@@ -467,10 +480,12 @@ class ShardedParam:
         self.state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
-        """UNSHARDED -> SHARDED: show the local shard to the module and free the storage."""
+        """UNSHARDED -> SHARDED: show the local shard to the module and free the storage
+        (unless ``keep_unsharded_storage``)."""
         self._assert_state(ShardedState.UNSHARDED)
         self.expose_sharded()
-        self.free_unsharded()
+        if not self.keep_unsharded_storage:
+            self.free_unsharded()
         self.state = ShardedState.SHARDED
 
     def expose_sharded(self) -> None:

@@ -101,7 +101,7 @@ def adopt(unit: FSDPUnit) -> None:
         unit.dtype = dtype
         unit.precision = unit.precision.with_orig_dtype(dtype)
     for p, new in zip(unit.params, dtypes, strict=True):
-        p.set_compute_dtype(unit.precision.compute_dtype_of(new))
+        p.set_compute_dtype(unit.compute_dtype_for(p, new))
     layout = FlatLayout(dtypes, [p.shard_numel for p in unit.params])
     flat = unit.new_flat_shard(layout, devices.pop())
     for i, (p, tensor) in enumerate(zip(unit.params, current, strict=True)):

@@ -15,6 +15,18 @@ switches both off. Everything in backward is driven by autograd hooks the state 
 - a final callback, queued by the root on the first pre-backward, reduces what is left (units
   with unused parameters), reshards every unit, and checks that all of them are idle.
 
+[Note: manual backward finalization]
+With ``set_manual_backward_finalization(True)`` on the root (FSDP2's mode for pipeline
+schedules that treat gradient reduction as an action of its own), the final callback of each
+backward reduces nothing that is left and waits for nothing: units whose gradients are still
+unreduced (unused parameters, or gradients accumulated with ``set_requires_gradient_sync(False)``)
+stay so, and the caller's ``finalize_backward()`` later reduces them (in the same order on
+every rank: ``all_states`` reversed), reshards what is still unsharded, waits for the
+reductions in flight and checks that every unit is idle. ``finalize_backward(async_op=True)``
+leaves that wait to the ``GradientReductionHandle`` it returns; until it is waited on, a
+forward or another finalization raises. The mode is read when a backward starts and holds
+until the iteration is finalized (or ``reset_iter_state``).
+
 Inside ``no_sync`` (``sync_gradients`` is ``False`` on every state) units reshard after their
 backward as usual but keep their unsharded gradients, which autograd keeps accumulating into;
 the first backward outside reduces the sum.
@@ -144,10 +156,18 @@ class FSDPState:
         self.tag_collectives = True  # order tags; off: ``fsdp_core.debug.set_order_check``
         self.unshard_in_backward = True  # False: backward needs no parameters (embeddings)
         self.unshard_async_op = False  # FSDP2's ``_set_unshard_async_op``
+        self.force_sum_reduction_for_comms = False  # ``set_force_sum_reduction_for_comms``
         # Root only (FSDP2's iteration controls): whether the coming backward ends the step,
         # and a CUDA event the next forward's all-gathers wait on instead of the stream.
         self.is_last_backward = True
         self.post_optim_event: torch.cuda.Event | None = None
+        # Root only: see [Note: manual backward finalization]. The mode asked for, the mode of
+        # the backward iteration under way (None: none started), whether a backward ended
+        # unfinalized, and the handle of an asynchronous finalization not waited on yet.
+        self.manual_backward_finalization = False
+        self.manual_finalization_active: bool | None = None
+        self.backward_unfinalized = False
+        self.pending_reduction: object | None = None
         self.hooks_suspended = False  # True: see ``fsdp_core.debug.suspend_hooks``
         self._register_post_backward_hooks()
 
@@ -165,6 +185,13 @@ class FSDPState:
     # ------------------------------------------------------------------ root lazy init
     def _lazy_init(self) -> None:
         """Make this state the root of every FSDP state under its owner (done once)."""
+        for name, module in self.owner.named_modules():
+            state = state_of(module)
+            if state is not None and state is not self and state.manual_backward_finalization:
+                raise RuntimeError(
+                    f"set_manual_backward_finalization must be called on the root FSDP module, "
+                    f"not on {name!r}: call it on the module the first forward runs through."
+                )
         self.is_root = True
         self.root = self
         states: list[FSDPState] = []
@@ -235,6 +262,12 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.is_root is None:
             self._lazy_init()
+        root = self.root
+        if root is not None and root.pending_reduction is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before forward: call wait() "
+                "on the GradientReductionHandle that finalize_backward(async_op=True) returned."
+            )
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes this forward inside backward: the state
             # stays, the parameters must be there (as in FSDP2).
@@ -378,7 +411,9 @@ class FSDPState:
         def hook(_: torch.Tensor) -> None:
             this, p = state(), weak_param()
             if this is not None and p is not None and this.unit is not None:
-                if this.unit.mark_grad_ready(p):
+                # With ``reduce_unused_params`` the unit reduces in the final callback on every
+                # rank alike; see ``FSDPModule.set_reduce_scatter_unused_params``.
+                if this.unit.mark_grad_ready(p) and not this.unit.reduce_unused_params:
                     this._post_backward()
 
         return hook
@@ -398,35 +433,130 @@ class FSDPState:
         if self._final_callback_queued:
             return
         self._final_callback_queued = True
+        if self.manual_finalization_active is None:
+            self.manual_finalization_active = self.manual_backward_finalization
         Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
-        """Root only: finish the backward of every unit, then check that all are idle."""
+        """Root only: finish the backward of every unit, then check that all are idle (with
+        manual finalization, leave what is left to ``finalize_backward``: see [Note: manual
+        backward finalization])."""
         self._final_callback_queued = False
+        manual = bool(self.manual_finalization_active)
         # Same order on every rank: the cached traversal, reversed.
         for state in reversed(self.all_states):
             state._assert_state(*_BACKWARD_STATES)
             unit = state.unit
-            if unit is not None and state.sync_gradients and unit.has_pending_grads():
+            if not manual and state._has_reduction_left():
                 # Some parameter got no gradient in this backward (unused on this path).
                 state._post_backward(prefetch=False)
             if unit is not None:
-                # Only units still unsharded (no gradients, or prefetched unused) reshard: a
-                # reshard is a free, which patches and delays count (FSDP1 skips them too).
-                if state.reshard_after_backward and unit.is_unsharded:
-                    unit.reshard("backward")
-                else:
-                    unit.drop_post_forward()
-                unit.reset_backward()
+                state._reshard_after_backward()
             state.training_state = TrainingState.IDLE
             state._ran_pre_backward = False
             state._expects_backward = False
+        self._order().finish_iteration()
+        if manual:
+            self.backward_unfinalized = True
+            return
+        self._end_backward_iteration()
+
+    def _has_reduction_left(self) -> bool:
+        """Whether this unit still has gradients to reduce in this backward."""
+        unit = self.unit
+        return (
+            unit is not None
+            and self.sync_gradients
+            and (unit.has_pending_grads() or unit.reduce_unused_params)
+        )
+
+    def _reshard_after_backward(self) -> None:
+        unit = self.unit
+        if unit is None:
+            return
+        # Only units still unsharded (no gradients, or prefetched unused) reshard: a
+        # reshard is a free, which patches and delays count (FSDP1 skips them too).
+        if self.reshard_after_backward and unit.is_unsharded:
+            unit.reshard("backward")
+        else:
+            unit.drop_post_forward()
+        unit.reset_backward()
+
+    def _end_backward_iteration(self) -> None:
+        """Root only: wait for the reductions in flight and check that every unit is idle."""
         self.cpu_overlap.flush()  # the reductions still in flight
-        if self.streams is not None and self.is_last_backward:
+        if self.streams is not None and (self.is_last_backward or self.manual_finalization_active):
             offload = any(s.unit is not None and s.unit.offload_params for s in self.all_states)
             self.streams.end_backward(offload=offload)
-        self._order().finish_iteration()
+        self.manual_finalization_active = None
+        self.backward_unfinalized = False
         self._check_idle()
+
+    # ------------------------------------------------------------------ manual finalization
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """See ``FSDPModule.set_manual_backward_finalization``."""
+        if self.is_root is False:
+            raise RuntimeError(
+                f"set_manual_backward_finalization must be called on the root FSDP module, not "
+                f"on {self.fqn!r}."
+            )
+        if enabled != self.manual_backward_finalization and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward; call it "
+                "before forward."
+            )
+        active = self.manual_finalization_active
+        if active is not None and enabled != active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts: "
+                "finalize the backward iteration (finalize_backward()) or reset_iter_state() "
+                "first."
+            )
+        self.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, wait: bool) -> None:
+        """Root only: reduce what is left, reshard, and (``wait``) end the backward iteration.
+        See [Note: manual backward finalization]."""
+        self._validate_finalize_backward()
+        for state in reversed(self.all_states):
+            if state._has_reduction_left():
+                state._post_backward(prefetch=False)
+            state._reshard_after_backward()
+            state.training_state = TrainingState.IDLE
+        if wait:
+            self._end_backward_iteration()
+
+    def _validate_finalize_backward(self) -> None:
+        if self.pending_reduction is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again: call wait() on the GradientReductionHandle."
+            )
+        if not self.is_root:
+            raise RuntimeError(
+                f"finalize_backward must be called on the root FSDP module, not on {self.fqn!r}."
+            )
+        manual = self.manual_finalization_active
+        if manual is None:
+            manual = self.manual_backward_finalization
+        if not manual:
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward."
+            )
+        if self._final_callback_queued:
+            raise RuntimeError(
+                "FSDP finalize_backward must be called after backward completes, not inside it."
+            )
+        for state in self.all_states:
+            unit = state.unit
+            if unit is not None and unit.has_partial_reduction():
+                raise RuntimeError(
+                    "FSDP manual backward finalization does not support partial gradient "
+                    f"reductions for unit {state.fqn or '<root>'!r} (set_requires_all_reduce("
+                    "False)). Call set_requires_all_reduce(True) before the last backward, or "
+                    "use automatic backward finalization for this configuration."
+                )
 
     def reset_iteration(self) -> None:
         """Root only: after an exception in forward or backward, reshard every unit and make
@@ -437,6 +567,9 @@ class FSDPState:
                 f"reset_iter_state must be called on the root FSDP module, not {self.fqn!r}."
             )
         self.cpu_overlap.flush()  # as if each reduction had waited where it was issued
+        self.manual_finalization_active = None
+        self.backward_unfinalized = False
+        self.pending_reduction = None  # its handle's wait() now raises
         for state in self.all_states or [self]:
             unit = state.unit
             if unit is not None:

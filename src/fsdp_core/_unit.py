@@ -20,6 +20,15 @@ out into each unsharded parameter. A reduction goes: unsharded gradients -> redu
 -> [copy to the host, with CPU offload] -> accumulate into ``sharded.grad``. Every collective
 carries an order tag after the data once the root has given the unit its ``order_tags``; see
 [Note: order check] in ``_order_check``.
+
+[Note: parameters kept in their dtype]
+``MixedPrecisionPolicy.param_dtype_override_fn`` may keep some parameters of a unit in their
+original dtype while the others compute in ``param_dtype`` (FSDP2's per-parameter override,
+e.g. a router weight in fp32). Such a unit all-gathers its flat shard in the original dtype
+and casts each parameter to its own compute dtype in the copy-out: the values are those of a
+cast before the all-gather (a cast is elementwise), at the cost of moving the wider dtype.
+Gradients arrive in each parameter's compute dtype and are copied into the one reduce buffer
+in ``reduce_dtype``.
 """
 
 from __future__ import annotations
@@ -75,6 +84,9 @@ class FSDPUnit(UnitGrads):
         layout: show the sharded parameters as ``DTensor``s (the composable door; default
             ``None``: plain tensors).
         pin_memory: pin offloaded shards when an accelerator exists (default ``True``).
+        keep_dtype: indices into ``specs`` of parameters that compute in their own dtype,
+            not ``param_dtype`` (``MixedPrecisionPolicy.param_dtype_override_fn``; default:
+            none). See [Note: parameters kept in their dtype].
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class FSDPUnit(UnitGrads):
         compute_device: torch.device | None = None,
         layout: DTensorLayout | None = None,
         pin_memory: bool = True,
+        keep_dtype: frozenset[int] = frozenset(),
     ) -> None:
         if not specs:
             raise AssertionError(f"[rank {dist.get_rank()}] FSDPUnit needs at least one parameter")
@@ -134,7 +147,12 @@ class FSDPUnit(UnitGrads):
         self.order_tags: UnitTags | None = None
         # The root's on the CPU, set at lazy init: see [Note: staging buffers on the CPU].
         self.staging: StagingBuffers | None = None
-        alias = not self._sharded and not offload_params and not self.precision.casts_params
+        alias = (
+            not self._sharded
+            and not offload_params
+            and not self.precision.casts_params
+            and not keep_dtype
+        )
 
         numels = [
             math.prod(chunk_shape(local_tensor(s.param).shape, s.shard_dim, self.shard_world))
@@ -158,13 +176,19 @@ class FSDPUnit(UnitGrads):
                 self.flat_layout.segment(self._flat_shard, i),
                 shard_world=self.shard_world,
                 shard_rank=self.shard_rank,
-                compute_dtype=self.precision.compute_dtype_of(spec.param.dtype),
+                compute_dtype=(
+                    spec.param.dtype
+                    if i in keep_dtype
+                    else self.precision.compute_dtype_of(spec.param.dtype)
+                ),
                 compute_device=self.device,
                 alias=alias,
                 layout=layout,
             )
             for i, spec in enumerate(specs)
         ]
+        for i in keep_dtype:
+            self.params[i].keeps_dtype = True
         self._aliased = alias
         # The trainable parameters, reduction settings and state; see ``_unit_grads``.
         self._init_grads()
@@ -255,9 +279,7 @@ class FSDPUnit(UnitGrads):
             return False
         if self.post_forward is not None and self.post_forward.blocks is not None:
             return False
-        self._gathered = self._gather(
-            self.precision.param_dtype, _GATHER_OPS["forward"], wait=False
-        )
+        self._gathered = self._gather(self.gather_dtype, _GATHER_OPS["forward"], wait=False)
         return True
 
     def drop_gather_ahead(self) -> None:
@@ -277,7 +299,20 @@ class FSDPUnit(UnitGrads):
         post_forward = self.post_forward
         if post_forward is not None and post_forward.blocks is not None:
             return post_forward.regather(unit=self.name)
-        return self._gather(self.precision.param_dtype, op, wait=wait)
+        return self._gather(self.gather_dtype, op, wait=wait)
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype the all-gather moves: ``param_dtype``, or the original dtype when a
+        parameter computes in another dtype (see [Note: parameters kept in their dtype])."""
+        param_dtype = self.precision.param_dtype
+        if any(p.keeps_dtype and p.compute_dtype != param_dtype for p in self.params):
+            return self.precision.orig_dtype
+        return param_dtype
+
+    def compute_dtype_for(self, p: ShardedParam, dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype of ``p`` once its shard is of ``dtype``."""
+        return dtype if p.keeps_dtype else self.precision.compute_dtype_of(dtype)
 
     def _overlaps(self, async_op: bool) -> bool:
         """Whether an all-gather may be left pending on the CPU: not when its copy-out issues
@@ -345,13 +380,14 @@ class FSDPUnit(UnitGrads):
                     p.keep_unreduced_grad(self.precision.reduce_dtype)
             return
         grads = [p.take_unreduced_grad() for p in self._grad_params]
-        if all(g is None for g in grads):
+        if all(g is None for g in grads) and not self.reduce_unused_params:
             return
         streams = self.streams
         overlap = self._overlap_for_reduce() if streams is None else None
         if overlap is not None:  # the reduction in flight finishes before this one's buffers
             overlap.make_room()  # are made: at most one unit's extra (see ``_overlap``)
-        got = [g is not None or not self.skip_params_without_grads for g in grads]
+        unused_too = self.reduce_unused_params or not self.skip_params_without_grads
+        got = [g is not None or unused_too for g in grads]
         reduce_input = self._reduce_input(grads)
         del grads  # copied in: freed before the collective allocates its own buffers
         if overlap is not None:

@@ -10,9 +10,11 @@ reduced shard to each sharded ``.grad``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 
 from . import _collectives, _offload, _order_check
 from ._collectives import ReduceScatterComm
@@ -98,6 +100,24 @@ class UnitGrads:
         self.all_reduce_hook: AllReduceHook | None = None  # ``set_all_reduce_hook``
         self.gradient_divide_factor: float | None = None  # ``set_gradient_divide_factor``
         self.reduce_scatter_max_input_buffers = 1  # ``set_reduce_scatter_max_input_buffers``
+        # ``set_reduce_scatter_unused_params(True)``: a parameter without a gradient takes part
+        # with zeros, and the unit reduces in the final callback on every rank alike.
+        self.reduce_unused_params = False
+        # ``set_separate_reduce_scatter_group``: the reduce-scatter's own group over the shard
+        # ranks (None: the shard group, shared with the all-gather).
+        self.reduce_scatter_group: dist.ProcessGroup | None = None
+
+    @property
+    def reduce_groups(self) -> UnitGroups:
+        """The groups the gradient reduction runs over: ``groups``, with the reduce-scatter's
+        own group in place of the shard group when one is set."""
+        if self.reduce_scatter_group is None:
+            return self.groups
+        return dataclasses.replace(self.groups, shard=self.reduce_scatter_group)
+
+    def has_partial_reduction(self) -> bool:
+        """Whether reduce-scattered shards wait for their all-reduce (HSDP without it)."""
+        return self._partial_reduced is not None
 
     def _reduce_tags(self) -> UnitTags | None:
         """The order tags a reduction carries now, if any. See [Note: order check]."""
@@ -142,7 +162,7 @@ class UnitGrads:
     def _overlap_for_reduce(self) -> CpuOverlap | None:
         """``cpu_overlap`` where the reduction is one reduce-scatter over gloo (no replicate
         group, no custom reduce-scatter), else None. See [Note: overlap on the CPU]."""
-        overlap, groups = self.cpu_overlap, self.groups
+        overlap, groups = self.cpu_overlap, self.reduce_groups
         if overlap is None or not self._sharded or groups.replicate_size > 1:
             return None
         if self.reduce_scatter_comm is not None or not overlaps(groups.shard):
@@ -156,7 +176,12 @@ class UnitGrads:
         numel = self._grad_numel
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
         scatter = start_reduce_scatter(
-            reduce_input, numel, groups=self.groups, tags=tags, unit=self.name, async_op=True
+            reduce_input,
+            numel,
+            groups=self.reduce_groups,
+            tags=tags,
+            unit=self.name,
+            async_op=True,
         )
         overlap.defer(scatter, lambda reduced: self._reduced(reduced, got))
 
@@ -174,7 +199,7 @@ class UnitGrads:
         tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
         all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
         reduced = reduce_gradients(
-            reduce_input, numel, self.groups, tags, unit=self.name,
+            reduce_input, numel, self.reduce_groups, tags, unit=self.name,
             all_reduce=all_reduce, partial=self._partial_reduced, comm=self.reduce_scatter_comm,
         )  # fmt: skip
         self._partial_reduced = None if all_reduce else reduced

@@ -9,7 +9,13 @@ across units).
 """
 
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ._fsdp_module import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from ._fully_shard import fully_shard
 from ._replicate import replicate
 
@@ -17,6 +23,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

@@ -22,7 +22,12 @@ from .._runtime import FSDPState, state_of
 from .._unit import FSDPUnit
 from ..api import MixedPrecision, TrainingState
 from ..fully_sharded_data_parallel import FullyShardedDataParallel
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._api import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    reduce_follows_grad_dtype,
+)
 from ._fsdp_module import API_KEY, FSDPModule, api_of
 from ._hooks import ForwardHooks, load_full_tensors_hook
 from ._placement import ShardPlacementFn, place_params
@@ -33,8 +38,10 @@ __all__ = [
     "collect_specs",
     "compute_device",
     "default_mesh",
+    "flattened_dim",
     "is_unit",
     "unit_factory",
+    "unit_precision",
     "validate_ignored",
     "validate_modules",
     "validate_policies",
@@ -120,6 +127,13 @@ def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh takes a DeviceMesh or None, got {mesh!r}.")
     return mesh
+
+
+def flattened_dim(mesh: Any, names: tuple[str, ...]) -> str:
+    """The name of ``mesh``'s dimensions ``names`` flattened into one (made once)."""
+    name = "_".join(names)
+    mesh[names]._flatten(name)
+    return name
 
 
 def compute_device(mesh: Any) -> torch.device:
@@ -230,9 +244,12 @@ def unit_factory(
         _init.validate_uniform(
             "replicate" if replicate else "fully_shard", specs, frozen_may_differ=True
         )
-        precision = UnitPrecision.resolve(
-            MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
-            _init.trained_dtype(specs),
+        precision = unit_precision(mp_policy, _init.trained_dtype(specs))
+        dtypes = [mp_policy.param_dtype_for(s.param, s.fqn) for s in specs]  # validated
+        keep = frozenset(
+            i
+            for i, dtype in enumerate(dtypes)
+            if mp_policy.param_dtype is not None and dtype != mp_policy.param_dtype
         )
         unit = FSDPUnit(
             modules[0],
@@ -243,6 +260,7 @@ def unit_factory(
             compute_device=device,
             layout=layout,
             pin_memory=offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
+            keep_dtype=keep,
         )
         # FSDP2's no-sync accumulation dtype, and .grad None for parameters without gradients
         unit.upcast_unreduced_grads = unit.skip_params_without_grads = True
@@ -253,6 +271,21 @@ def unit_factory(
         return unit
 
     return make_unit
+
+
+def unit_precision(mp_policy: MixedPrecisionPolicy, orig_dtype: torch.dtype) -> UnitPrecision:
+    """A unit's dtypes under ``mp_policy``; ``reduce_dtype=None`` follows the installed torch's
+    rule (``default_reduce_dtype``): with torch 2.15 or later it stays the gradients' dtype,
+    also after ``module.to(dtype)`` before the first forward."""
+    precision = UnitPrecision.resolve(
+        MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype),
+        orig_dtype,
+    )
+    if mp_policy.reduce_dtype is None and reduce_follows_grad_dtype():
+        precision = dataclasses.replace(
+            precision, reduce_dtype=orig_dtype, policy_sets_reduce=False
+        )
+    return precision
 
 
 def attach(

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from .. import _collectives
 from .._collectives import (
     AllGatherComm,
     GroupAllocatedAllGather,
@@ -26,6 +29,7 @@ from ._hooks import ForwardHooks
 __all__ = [
     "API_KEY",
     "FSDPModule",
+    "GradientReductionHandle",
     "UnshardHandle",
     "api_of",
     "register_fsdp_forward_method",
@@ -56,6 +60,33 @@ class UnshardHandle:
         if self._unit is not None:
             self._unit.wait_for_unshard()
             self._unit = None
+
+
+class GradientReductionHandle:
+    """What ``FSDPModule.finalize_backward(async_op=True)`` returns: ``wait()`` waits for the
+    gradient reductions finalization issued and ends the backward iteration (once). See
+    [Note: manual backward finalization] in ``_runtime``."""
+
+    def __init__(self, state: FSDPState | None = None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for the gradient reductions; afterwards the gradients may be read.
+
+        Raises:
+            RuntimeError: ``reset_iter_state()`` invalidated this handle.
+        """
+        state = self._state
+        if state is None:
+            return
+        if state.pending_reduction is not self:
+            raise RuntimeError(
+                "This gradient reduction handle was invalidated by reset_iter_state(); its "
+                "gradients were dropped."
+            )
+        state.pending_reduction = None
+        self._state = None
+        state._end_backward_iteration()
 
 
 class FSDPModule:
@@ -235,6 +266,7 @@ class FSDPModule:
         """
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
+        self._get_fsdp_state().force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -351,6 +383,151 @@ class FSDPModule:
         """
         state = self._get_fsdp_state()
         (state.root or state).is_last_backward = bool(is_last_backward)
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Leave the end of each backward to the caller: backwards reduce what is ready and
+        wait for nothing at their end; :meth:`finalize_backward`, called after the last
+        backward of the step and before the gradients are read, reduces what is left
+        (unused parameters, gradients accumulated with ``set_requires_gradient_sync(False)``),
+        reshards and waits. Supersedes :meth:`set_is_last_backward`. Call on the root,
+        before forward; the mode cannot change while a backward iteration is unfinalized.
+        See [Note: manual backward finalization] in ``_runtime``.
+
+        Args:
+            enabled: whether the caller finalizes backward.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_manual_backward_finalization takes a bool, got {enabled!r}.")
+        self._get_fsdp_state().set_manual_backward_finalization(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finish the backward iteration under manual finalization (see
+        :meth:`set_manual_backward_finalization`): reduce the gradients still unreduced,
+        reshard, wait for the reductions. A no-op before the root's first forward. With
+        several backwards before it, turn gradient sync off for them and back on before
+        calling it. Call on the root, after backward, never between forward and backward.
+
+        Args:
+            async_op: return a :class:`GradientReductionHandle` without waiting (default
+                ``False``: wait, return ``None``); call its ``wait()`` before reading the
+                gradients or the next forward.
+        """
+        state = self._get_fsdp_state()
+        if state.is_root is None:
+            return GradientReductionHandle() if async_op else None
+        if not async_op:
+            state.finalize_backward(wait=True)
+            return None
+        state.finalize_backward(wait=False)
+        handle = GradientReductionHandle(state)
+        state.pending_reduction = handle
+        return handle
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' storage across reshards (``True``), so their data
+        pointers stay the same from one unshard to the next (e.g. for CUDA graph capture), at
+        the cost of the memory; ``False`` (the default) frees it at each reshard.
+
+        Args:
+            keep: whether to keep the storage.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        for state in self._states(recurse):
+            if state.unit is not None:
+                for p in state.unit.params:
+                    p.keep_unsharded_storage = bool(keep)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for the parameters that got no gradient in a backward (``True``), so
+        ranks whose control flow uses different parameters (mixture of experts, multi-modal
+        models) still run the same reductions; as DDP's ``find_unused_parameters``. Such a
+        unit reduces at the end of backward on every rank (the same order on each), and every
+        trainable parameter of it gets a ``.grad``. Default ``False``: a unit whose parameters
+        got no gradient on this rank does not reduce.
+
+        Args:
+            reduce_scatter_unused_params: whether to reduce zeros for unused parameters.
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.reduce_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor` (as in torch), which it
+        calls after a ``DeprecationWarning`` (torch's category).
+
+        Args:
+            factor: a positive number.
+        """
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor "
+            "instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run the gradient reduce-scatter on a process group of its own over the same ranks
+        (``True``), so that it can progress alongside the all-gathers of backward instead of
+        queuing behind them on one communicator; ``False`` goes back to the shard group. One
+        group is made per set of shard ranks (``dist.new_group(ranks,
+        use_local_synchronization=True)``), so every rank of those groups must call this
+        alike. Same numbers either way.
+
+        Args:
+            enable: whether to use a group of its own (default ``True``).
+            recurse: also every ``FSDPModule`` below this one (default ``True``).
+        """
+        made: dict[tuple[int, ...], Any] = {}
+        for state in self._states(recurse):
+            unit = state.unit
+            if unit is None or unit.groups.shard is None or unit.shard_world == 1:
+                continue
+            if not enable:
+                unit.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(unit.groups.shard))
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            unit.reduce_scatter_group = made[ranks]
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Allocate this module's all-gather buffers (and, with
+        :meth:`set_force_sum_reduction_for_comms`, reduce-scatter buffers) from symmetric
+        memory (``torch.distributed._symmetric_memory``), for NCCL's symmetric-memory
+        collectives. Needs CUDA parameters, an NCCL process group and a torch with symmetric
+        memory; elsewhere it raises ``RuntimeError`` naming what is missing. Not with
+        :meth:`set_custom_all_gather`/:meth:`set_custom_reduce_scatter`. Not recursive.
+
+        Args:
+            backend: the symmetric memory backend; only ``"NCCL"`` (the default).
+        """
+        if backend != "NCCL":
+            raise ValueError(
+                f"set_symm_mem_for_comm: backend={backend!r} is not supported; only 'NCCL' is."
+            )
+        state = self._get_fsdp_state()
+        unit = state.unit
+        if unit is None:
+            return
+        for name, comm in (
+            ("all gather", unit.all_gather_comm),
+            ("reduce scatter", unit.reduce_scatter_comm),
+        ):
+            if comm is not None and not _collectives.is_default_comm(comm):
+                raise AssertionError(
+                    f"cannot call set_symm_mem() when {name} comm is custom: {type(comm).__name__}"
+                )
+        symm = _collectives.symm_mem_comms(unit.groups.shard, unit.device)
+        unit.all_gather_comm = symm.all_gather
+        if state.force_sum_reduction_for_comms:
+            unit.reduce_scatter_comm = symm.reduce_scatter
 
     def set_post_optim_event(self, event: Any) -> None:
         """Let the next forward's all-gathers wait on ``event`` (recorded after the optimizer

@@ -23,6 +23,7 @@ from ._build import (
     attach,
     collect_specs,
     default_mesh,
+    flattened_dim,
     unit_factory,
     validate_ignored,
     validate_modules,
@@ -175,11 +176,5 @@ def _data_parallel_mesh(mesh: Any, dims: DataParallelMeshDims) -> Any:
             f"not have (its dimensions: {list(names)}). Pass names of mesh.mesh_dim_names."
         )
     roles = [r for r in (dims.replicate_names, dims.shard_names) if r]
-    picked = [r[0] if len(r) == 1 else _flattened(mesh, r) for r in roles]
+    picked = [r[0] if len(r) == 1 else flattened_dim(mesh, r) for r in roles]
     return mesh[picked[0]] if len(picked) == 1 else mesh[tuple(picked)]
-
-
-def _flattened(mesh: Any, names: tuple[str, ...]) -> str:
-    name = "_".join(names)
-    mesh[names]._flatten(name)
-    return name

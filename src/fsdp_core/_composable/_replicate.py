@@ -33,11 +33,12 @@ from torch import nn
 
 from .._runtime import FSDPState, RuntimeConfig
 from .._unit import FSDPUnit
-from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._build import (
     attach,
     collect_specs,
     default_mesh,
+    flattened_dim,
     unit_factory,
     validate_ignored,
     validate_modules,
@@ -50,13 +51,14 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def replicate(
-    module: M,
+    module: M | list[nn.Module],
     *,
     mesh: Any = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
-) -> M:
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> M | list[nn.Module]:
     """Keep ``module``'s parameters whole on every rank and all-reduce their gradients (DDP
     semantics); apply bottom-up, alone or inside ``fully_shard``.
 
@@ -67,31 +69,35 @@ def replicate(
     all-gather ever runs for them. See [Note: replicate].
 
     Args:
-        module: the module to replicate.
+        module: the module, or a list of modules that form one unit together (one
+            all-reduce of their gradients), as ``fully_shard``'s.
         mesh: a 1-D ``DeviceMesh`` to replicate over (default ``None``: every rank, on the
-            device type of the parameters, chosen as ``fully_shard`` does).
+            device type of the parameters, chosen as ``fully_shard`` does); a mesh of more
+            dimensions with ``dp_mesh_dims``.
         mp_policy: a ``MixedPrecisionPolicy`` (default: full precision): compute in
             ``param_dtype`` on a local cast copy, all-reduce in ``reduce_dtype``.
         offload_policy: ``OffloadPolicy()`` (default, none) or ``CPUOffloadPolicy()`` (the
             parameters and gradients stay on the CPU; a copy computes on the device).
         ignored_params: parameters to leave as they are, not replicated and not reduced
             (default ``None``).
+        dp_mesh_dims: for a mesh of more dimensions, the one(s) to replicate over:
+            ``DataParallelMeshDims(replicate=name)``, several names flattened into one
+            dimension; it names no shard dimension, which is ``fully_shard``'s (default
+            ``None``: ``mesh`` is 1-D).
 
     Returns:
         ``module`` (now also an ``FSDPModule``).
     """
-    if isinstance(module, list | tuple):
-        raise TypeError(
-            f"replicate takes one nn.Module, got a {type(module).__name__} of "
-            f"{len(module)}; call replicate on each module (one unit each)."
-        )
     modules = validate_modules("replicate", module)
     mesh = default_mesh("replicate", mesh, modules)
+    if dp_mesh_dims is not None:
+        mesh = _replicate_mesh(mesh, dp_mesh_dims)
     if mesh.ndim != 1:
         raise ValueError(
-            f"replicate: mesh must be 1-D, got a {mesh.ndim}-D mesh {mesh}. Pass "
-            "init_device_mesh(type, (world,)) or the replicate dimension of yours "
-            "(mesh['replicate'])."
+            f"replicate expects a 1D DeviceMesh but got {mesh}: mesh must be 1-D, got a "
+            f"{mesh.ndim}-D mesh. Pass init_device_mesh(type, (world,)), the replicate "
+            "dimension of yours (mesh['replicate']), or name it with "
+            "dp_mesh_dims=DataParallelMeshDims(replicate=...)."
         )
     validate_policies("replicate", mp_policy, offload_policy)
     ignored = validate_ignored("replicate", ignored_params)
@@ -110,6 +116,32 @@ def replicate(
     )
     attach("replicate", modules, FSDPState(modules[0], unit, config), make_unit, "Replicate")
     return module
+
+
+def _replicate_mesh(mesh: Any, dims: DataParallelMeshDims) -> Any:
+    """The 1-D sub-mesh of the dimension(s) ``dims.replicate`` names (flattened if several)."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"replicate: dp_mesh_dims takes a DataParallelMeshDims, got {dims!r}.")
+    if dims.shard_names:
+        raise ValueError(
+            f"replicate() with dp_mesh_dims requires replicate-only dims (no shard dims), got "
+            f"{dims}. Use fully_shard() for sharding, or pass "
+            f"DataParallelMeshDims(replicate={dims.replicate!r})."
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        raise ValueError(
+            f"replicate: mesh must have mesh_dim_names when dp_mesh_dims is provided, got "
+            f"{mesh}; pass init_device_mesh(..., mesh_dim_names=(...))."
+        )
+    unknown = [n for n in dims.replicate_names if n not in names]
+    if unknown:
+        raise ValueError(
+            f"replicate: dp_mesh_dims={dims} names dimensions {unknown} that the mesh does not "
+            f"have (its dimensions: {list(names)}). Pass names of mesh.mesh_dim_names."
+        )
+    chosen = dims.replicate_names
+    return mesh[chosen[0] if len(chosen) == 1 else flattened_dim(mesh, chosen)]
 
 
 def _validate_no_scalars(specs: list[Any]) -> None:
