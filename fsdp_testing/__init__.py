@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "NestedLinear": "fsdp_testing.models",
     # parity
     "check_fsdp_parity": "fsdp_testing.parity",
+    "check_parity": "fsdp_testing.parity",
     "train_for_several_steps": "fsdp_testing.parity",
     "check_sharded_parity": "fsdp_testing.parity",
     "assert_module_states_equal": "fsdp_testing.parity",

@@ -11,7 +11,8 @@ By role: ``_base`` (the :class:`FSDPEngine` protocol, :class:`BaseEngine` defaul
 helpers), ``_registry`` (names, the default and the per-context choice), ``_probe`` (what the
 recorder asks an engine), ``_volume`` (the theoretical communication of a step), ``_wrapper``
 (the FSDP1-style wrapper API both ``fsdp_core`` and FSDP1 have), ``_composable`` (the
-``fully_shard`` API both ``fsdp_core`` and FSDP2 have), ``_core`` (what the ``fsdp_core``
+``fully_shard`` API both ``fsdp_core`` and FSDP2 have), ``_root_only`` (the defaults of a
+root-only engine, DDP- or ZeRO-style, [Note: root-only engines]), ``_core`` (what the ``fsdp_core``
 engines share: they read the core through ``fsdp_core.unit_views`` and its events), and one
 module per engine.
 """
@@ -23,6 +24,8 @@ from ._base import (
     PatchTarget,
     StepsItself,
     clean_param_name,
+    engine_optimizer,
+    has_nested_units,
     modules_selected_by_policy,
     translate_kwargs,
 )
@@ -38,6 +41,7 @@ from ._registry import (
     unregister_engine,
     use_engine,
 )
+from ._root_only import RootOnlyEngine
 from ._volume import CommVolume, UnitVolume
 
 __all__ = [
@@ -48,13 +52,16 @@ __all__ = [
     "FSDPEngine",
     "PatchTarget",
     "Probe",
+    "RootOnlyEngine",
     "StepsItself",
     "UnitVolume",
     "available_engines",
     "clean_param_name",
     "current_engine",
     "engine_for",
+    "engine_optimizer",
     "get_engine",
+    "has_nested_units",
     "modules_selected_by_policy",
     "register_engine",
     "resolve_engine",

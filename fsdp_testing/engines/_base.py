@@ -33,7 +33,9 @@ __all__ = [
     "broadcast_module_states",
     "clean_param_name",
     "default_process_group",
+    "engine_optimizer",
     "has_accelerator",
+    "has_nested_units",
     "modules_selected_by_policy",
     "translate_kwargs",
 ]
@@ -76,6 +78,12 @@ class FSDPEngine(Protocol):
 
     #: Registry name, e.g. ``"torch_fsdp1"``.
     name: str
+
+    #: Whether the engine shards submodules as units of their own. False for a root-only
+    #: engine (DDP- or ZeRO-style: one wrapper around the whole model): the reference models
+    #: then leave their submodules plain and the root is wrapped (see [Note: root-only
+    #: engines]).
+    nested_units: bool
 
     def wrap(
         self, module: nn.Module, process_group: dist.ProcessGroup | None = None, **fsdp_kwargs: Any
@@ -164,6 +172,15 @@ class FSDPEngine(Protocol):
         wraps batch norms separately with mixed precision off); empty for the others."""
         ...
 
+    def make_optimizer(
+        self, module: nn.Module, build: Callable[[Iterable[nn.Parameter]], Any]
+    ) -> Any:
+        """The optimizer (``step()``, ``zero_grad()``) that trains ``module`` (sharded by this
+        engine), given how the test builds one over parameters: ``build(module.parameters())``
+        for engines whose optimizer steps the module's parameters; an engine that shards the
+        optimizer itself (ZeRO) builds it over its shards."""
+        ...
+
 
 @runtime_checkable
 class StepsItself(Protocol):
@@ -183,10 +200,17 @@ class StepsItself(Protocol):
 
 
 class BaseEngine:
-    """Defaults for the parts of :class:`FSDPEngine` that an engine may leave out: a recorder
-    probe that infers nothing, no theoretical volume, no module kept out of mixed precision."""
+    """Defaults for the parts of :class:`FSDPEngine` that an engine may leave out: nested
+    units, a recorder probe that infers nothing, no theoretical volume, no module kept out of
+    mixed precision, the test's optimizer over the module's parameters."""
 
     name: str = ""
+    nested_units: bool = True
+
+    def make_optimizer(
+        self, module: nn.Module, build: Callable[[Iterable[nn.Parameter]], Any]
+    ) -> Any:
+        return build(module.parameters())
 
     def probe(self) -> Probe:
         return Probe()
@@ -199,6 +223,21 @@ class BaseEngine:
 
     def __repr__(self) -> str:
         return f"<engine {self.name}>"
+
+
+def has_nested_units(engine: Any) -> bool:
+    """``engine.nested_units``, True for an engine that does not say (see
+    :attr:`FSDPEngine.nested_units`)."""
+    return bool(getattr(engine, "nested_units", True))
+
+
+def engine_optimizer(
+    engine: Any, module: nn.Module, build: Callable[[Iterable[nn.Parameter]], Any]
+) -> Any:
+    """``engine.make_optimizer(module, build)``, or ``build(module.parameters())`` for an
+    engine without it (see :meth:`FSDPEngine.make_optimizer`)."""
+    make = getattr(engine, "make_optimizer", None)
+    return make(module, build) if make is not None else build(module.parameters())
 
 
 def clean_param_name(name: str) -> str:

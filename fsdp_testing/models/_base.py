@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..engines import current_engine
+from ..engines import current_engine, has_nested_units
 
 __all__ = [
     "CUDAInitMode",
@@ -110,10 +110,11 @@ def placer(mode: DEVICEInitMode, device: torch.device) -> Callable[[_ModuleT], _
 def sharder(
     enabled: bool, group: Any, fsdp_kwargs: dict[str, Any]
 ) -> Callable[[nn.Module], nn.Module]:
-    """Returns the function that shards one submodule with the active engine, or the identity."""
-    if not enabled:
-        return lambda module: module
+    """Returns the function that shards one submodule with the active engine, or the identity
+    (also for a root-only engine: see [Note: root-only engines] in ``engines/_root_only.py``)."""
     engine = current_engine()
+    if not enabled or not has_nested_units(engine):
+        return lambda module: module
     return lambda module: engine.wrap(module, group, **fsdp_kwargs)
 
 

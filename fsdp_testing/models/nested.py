@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..engines import current_engine
+from ..engines import current_engine, has_nested_units
 from ..patching.delays import delayed_calls
 from ._base import (
     DEVICEInitMode,
@@ -153,7 +153,8 @@ class NestedWrappedModule(FSDPTestModel):
 
 class AlwaysWrapNestedWrappedModule(NestedWrappedModule):
     """A plain :class:`NestedWrappedModule` that ``RECURSIVE`` shards from the root with the
-    engine's always-wrap policy (every submodule becomes a unit)."""
+    engine's always-wrap policy (every submodule becomes a unit; the root alone for a
+    root-only engine)."""
 
     @staticmethod
     def init(
@@ -174,7 +175,8 @@ class AlwaysWrapNestedWrappedModule(NestedWrappedModule):
             return model
         engine = current_engine()
         kwargs = dict(fsdp_kwargs or {})
-        kwargs["auto_wrap_policy"] = engine.always_wrap_policy()
+        if has_nested_units(engine):  # see [Note: root-only engines]
+            kwargs["auto_wrap_policy"] = engine.always_wrap_policy()
         sharded = engine.wrap(model, group, **kwargs)
         return finish_placement(sharded, placement, resolve_device(device), True)
 
@@ -266,6 +268,12 @@ class MixtureOfExperts(NestedWrappedModule):
             param.expert = True  # type: ignore[attr-defined]
         expert_unit: nn.Module = place(expert)
         shared_unit: nn.Module = place(shared)
+        if wrap_fsdp and not has_nested_units(self._engine):
+            raise NotImplementedError(
+                f"MixtureOfExperts: engine {getattr(self._engine, 'name', self._engine)!r} "
+                "wraps the root only, so it would average the per-rank expert's gradients; "
+                "the model needs its expert as a unit of its own (see [Note: root-only engines])"
+            )
         if wrap_fsdp:
             # A group of one rank: the expert is wrapped but never sharded nor reduced.
             expert_group = dist.new_group([dist.get_rank()])

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engines import current_engine
+from ..engines import current_engine, has_nested_units
 from ._base import (
     DEVICEInitMode,
     FSDPInitMode,
@@ -135,7 +135,8 @@ class TransformerWithSharedParams(FSDPTestModel):
         **sizes: int,
     ) -> nn.Module:
         """Builds the model; ``RECURSIVE`` shards the root with the active engine, each encoder
-        and decoder layer a unit unless ``fsdp_kwargs`` names another ``auto_wrap_policy``.
+        and decoder layer a unit unless ``fsdp_kwargs`` names another ``auto_wrap_policy`` (the
+        root alone for a root-only engine).
 
         Args:
             group: the process group, or a (shard, replicate) tuple for hybrid sharding.
@@ -160,6 +161,10 @@ class TransformerWithSharedParams(FSDPTestModel):
         strategy = getattr(kwargs.get("sharding_strategy"), "name", None)
         # Hybrid sharding with a single group lets the engine build the 2D groups itself.
         wrap_group = None if strategy in _HYBRID and not isinstance(group, tuple) else group
+        if not has_nested_units(engine):  # see [Note: root-only engines]
+            kwargs.pop("auto_wrap_policy", None)
+            sharded = engine.wrap(model, wrap_group, **kwargs)
+            return finish_placement(sharded, placement, resolve_device(device), True)
         if _keeps_batch_norm_in_full_precision(engine, model, kwargs):
             model.bn = engine.wrap(model.bn, wrap_group, **{**kwargs, "mixed_precision": None})
         if kwargs.get("auto_wrap_policy") is None:

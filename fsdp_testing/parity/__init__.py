@@ -7,8 +7,13 @@ after every step under one :class:`ParityRule`) is what :func:`check_fsdp_parity
 mixed precision is [Note: mixed precision parity] (``_reference``), the tolerances [Note: parity
 rule] (``_compare``); ``docs/parity.md`` has both.
 
+The same trainer checks a user's own code with no engine adapter: :func:`check_parity` takes a
+model factory, the user's wrapping (or step) function and a batch function, with a DDP or
+single-process reference ([Note: the user's reference]).
+
 The package, by role: ``_training`` (the training loop), ``_reference`` (the data parallel and
 mixed precision references), ``_lockstep`` (the lockstep trainer and ``check_fsdp_parity``),
+``_user`` (``check_parity``, for a user's own code),
 ``_compare`` (divergences and the rule), ``_resume`` (a DCP checkpoint resumed at another
 world size, [Note: resuming at another world size]), ``_sharded`` (sharded parameters,
 cross-rank states, full parameters) and ``_mixin`` (torch's methods for unittest-style test cases).
@@ -24,7 +29,13 @@ from ._compare import (
     compare_named,
     format_divergences,
 )
-from ._lockstep import Lockstep, StepReport, _test_fsdp_parity, check_fsdp_parity
+from ._lockstep import (
+    Lockstep,
+    StepReport,
+    _test_fsdp_parity,
+    check_fsdp_parity,
+    raise_on_divergence,
+)
 from ._mixin import FSDPParityMixin
 from ._reference import MixedPrecisionReference, find_test_model, reference_body
 from ._resume import ResumeReport, check_resume_parity
@@ -35,6 +46,7 @@ from ._sharded import (
     get_full_params,
 )
 from ._training import TrainingLoop, Workload, train_for_several_steps
+from ._user import REFERENCES, check_parity, mean_square_loss
 
 _train_for_several_steps = train_for_several_steps
 
@@ -42,6 +54,7 @@ __all__ = [
     "FP32_TOLERANCE",
     "LOSS_TOLERANCE",
     "PARAM_TOLERANCE",
+    "REFERENCES",
     "Divergence",
     "FSDPParityMixin",
     "Lockstep",
@@ -57,12 +70,15 @@ __all__ = [
     "_train_for_several_steps",
     "assert_module_states_equal",
     "check_fsdp_parity",
+    "check_parity",
     "check_resume_parity",
     "check_sharded_parity",
     "compare_named",
     "find_test_model",
     "format_divergences",
     "get_full_params",
+    "mean_square_loss",
+    "raise_on_divergence",
     "reference_body",
     "train_for_several_steps",
 ]

@@ -39,7 +39,7 @@ from ._compare import Divergence, ParityRule, format_divergences, max_abs_diff
 from ._reference import build_reference
 from ._training import TrainingLoop
 
-__all__ = ["Lockstep", "StepReport", "check_fsdp_parity"]
+__all__ = ["Lockstep", "StepReport", "check_fsdp_parity", "raise_on_divergence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +226,38 @@ def _agree_on_failure(local: str | None, group: dist.ProcessGroup, where: str) -
     raise _fail(f"{where}: no divergence on this rank, but ranks {failed} of the group diverged")
 
 
+def raise_on_divergence(
+    report: StepReport,
+    *,
+    where: str,
+    reference: str,
+    num_steps: int,
+    group: dist.ProcessGroup,
+    subject: str = "sharded",
+) -> None:
+    """Raises ``AssertionError`` on every rank of ``group`` if ``report`` (this rank's step)
+    or any other rank's diverged, naming the step, both losses and each diverging tensor (see
+    [Note: lockstep parity]). A collective: every rank of ``group`` calls it each step.
+
+    Args:
+        report: this rank's step.
+        where: the check, e.g. ``"_test_fsdp_parity[NestedWrappedModule, engine fsdp_core]"``.
+        reference: the reference's name (its class).
+        num_steps: the steps the check trains.
+        group: the ranks that agree.
+        subject: what is compared with the reference (default ``"sharded"``).
+    """
+    local = None
+    if report.divergences:
+        local = (
+            f"{where}: the {subject} model diverged from the reference ({reference}) at step "
+            f"{report.step} of {num_steps} (losses: reference {report.ref_loss.item():.6g}, "
+            f"{subject} {report.loss.item():.6g}); diverging tensors:\n"
+            f"{format_divergences(report.divergences)}"
+        )
+    _agree_on_failure(local, group, where)
+
+
 def check_fsdp_parity(
     model_class: type[FSDPTestModel],
     fsdp_init_mode: FSDPInitMode,
@@ -334,15 +366,9 @@ def check_fsdp_parity(
     ref_name = type(lockstep.reference.model).__name__
     for _ in range(num_iters):
         report = lockstep.step(save_model=save_model)
-        local = None
-        if report.divergences:
-            local = (
-                f"{where}: the sharded model diverged from the reference ({ref_name}) at step "
-                f"{report.step} of {num_iters} (losses: reference {report.ref_loss.item():.6g}, "
-                f"sharded {report.loss.item():.6g}); diverging tensors:\n"
-                f"{format_divergences(report.divergences)}"
-            )
-        _agree_on_failure(local, group, where)
+        raise_on_divergence(
+            report, where=where, reference=ref_name, num_steps=num_iters, group=group
+        )
 
 
 _test_fsdp_parity = check_fsdp_parity

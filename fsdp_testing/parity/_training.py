@@ -1,16 +1,18 @@
 """The training loop every parity check runs, on the sharded model and on its reference alike:
-SGD with momentum, one step at a time (torch's ``_train_for_several_steps``)."""
+SGD with momentum (or the caller's optimizer), one step at a time, optionally accumulating
+gradients over several forwards (torch's ``_train_for_several_steps``, and
+:func:`~fsdp_testing.parity.check_parity` for a user's own code)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
-from ..engines import FSDPEngine, StepsItself, clean_param_name, engine_for
+from ..engines import FSDPEngine, StepsItself, clean_param_name, engine_for, engine_optimizer
 from ..models._base import resolve_device
 from ..patching import rank_prefix
 from ._reference import find_test_model, reference_body
@@ -38,18 +40,43 @@ def _fail(message: str) -> AssertionError:
     return AssertionError(f"{rank_prefix()}{message}")
 
 
+#: ``loss_fn(model, inputs)``: forward and loss of one batch.
+LossFn = Callable[[Any, Any], torch.Tensor]
+#: ``step_fn(model, inputs)``: forward, loss and backward of one batch; returns the loss.
+StepFn = Callable[[Any, Any], torch.Tensor]
+
+
 class TrainingLoop:
-    """One model, its SGD-with-momentum optimizer and grad scaler; :meth:`step` runs one
-    iteration: zero the gradients, forward, loss, backward, optimizer step, and optionally save,
-    zero and reload a full state dict.
+    """One model, its optimizer (SGD with momentum by default) and grad scaler; :meth:`step`
+    runs one iteration: zero the gradients, ``accum_steps`` times forward, loss and backward,
+    optimizer step, and optionally save, zero and reload a full state dict.
 
     Args:
-        model: the model, plain, data parallel or sharded by any engine.
-        engine: the engine that sharded ``model`` (default: found with ``engine_for``; None for
-            a reference).
+        model: the model, plain, data parallel or sharded by any engine, or a user's wrapped
+            model (any callable; then give ``optimizer`` and ``full_state`` unless it is an
+            ``nn.Module`` whose parameters are the full ones).
+        engine: the engine that sharded ``model`` (default: found with ``engine_for`` when
+            ``model`` is an ``nn.Module``; None for a reference).
         workload: where inputs, the loss and the backward come from (default: the
-            :class:`FSDPTestModel` inside ``model``).
-        lr: learning rate (default 0.01).
+            :class:`FSDPTestModel` inside ``model``; not used when ``batches`` is given).
+        batches: ``batches(i)``, the inputs of the ``i``-th forward (0-based, counting every
+            forward of every step), of any structure; replaces ``workload.get_input``.
+        loss_fn: ``loss_fn(model, inputs)``, forward and loss of one batch (default:
+            ``workload.get_loss(inputs, model(*inputs))``).
+        step_fn: ``step_fn(model, inputs)``, forward, loss and backward of one batch, returning
+            the loss (a user's own step, or an engine that steps itself); replaces ``loss_fn``
+            and the backward, so neither a grad scaler nor autocast apply. With
+            ``accum_steps > 1`` it must backpropagate ``loss / accum_steps`` as the default
+            backward does.
+        optimizer: the optimizer, anything with ``step()`` and ``zero_grad()`` (default: SGD
+            with momentum 0.9 and ``lr``, over ``model.parameters()`` or as the engine's
+            ``make_optimizer`` builds it).
+        accum_steps: forwards (and backwards) per optimizer step, each backpropagating its
+            loss divided by ``accum_steps`` (default 1).
+        full_state: ``full_state(model)``, the full parameters by name, for
+            :meth:`named_full_params` (default: the engine's, or the parameters of the plain
+            module inside the reference's wrappers).
+        lr: learning rate of the default optimizer (default 0.01).
         autocast: run forward under ``torch.autocast`` for ``device`` (default False).
         fsdp_cpu_offload: the model's ``CPUOffload``; with ``offload_params`` a sharded model's
             parameters must be on the CPU after each backward (default None).
@@ -67,6 +94,12 @@ class TrainingLoop:
         *,
         engine: FSDPEngine | None = None,
         workload: Workload | None = None,
+        batches: Callable[[int], Any] | None = None,
+        loss_fn: LossFn | None = None,
+        step_fn: StepFn | None = None,
+        optimizer: Any = None,
+        accum_steps: int = 1,
+        full_state: Callable[[Any], Mapping[str, torch.Tensor]] | None = None,
         lr: float = 0.01,
         autocast: bool = False,
         fsdp_cpu_offload: Any = None,
@@ -79,9 +112,25 @@ class TrainingLoop:
     ) -> None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+        if accum_steps < 1:
+            raise ValueError(f"TrainingLoop: accum_steps must be >= 1, got {accum_steps}")
         self.model = model
-        self.test_model: Workload = workload if workload is not None else find_test_model(model)
-        self.engine = engine if engine is not None else engine_for(model)
+        self.engine = engine
+        if engine is None and isinstance(model, nn.Module):
+            self.engine = engine_for(model)
+        self.test_model: Workload | None = workload
+        if batches is None and workload is None:
+            self.test_model = find_test_model(model)
+        self.batches = batches
+        self.forwards = 0
+        self.accum_steps = accum_steps
+        self.full_state = full_state
+        self.loss_fn: LossFn = loss_fn if loss_fn is not None else self._workload_loss
+        # A caller's own loss has its own dtype; the check is for the precision under test.
+        self._check_loss_dtype = loss_fn is None
+        self.step_fn = step_fn
+        if step_fn is None and isinstance(self.engine, StepsItself):
+            self.step_fn = self._engine_step
         self.autocast = autocast
         self.offload_params = bool(getattr(fsdp_cpu_offload, "offload_params", False))
         self.mixed_precision = mixed_precision
@@ -93,8 +142,15 @@ class TrainingLoop:
             enabled=enable_sharded_grad_scaler,
             **(sharded_grad_scaler_kwargs or {}),
         )
-        # SGD with momentum: Adam is scale invariant, which hides gradient-scaling bugs.
-        self.optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+        def sgd(params: Any) -> torch.optim.Optimizer:
+            # SGD with momentum: Adam is scale invariant, which hides gradient-scaling bugs.
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+        if optimizer is None:
+            # An engine that shards the optimizer (ZeRO) builds it over its shards.
+            optimizer = engine_optimizer(self.engine, model, sgd)
+        self.optim = optimizer
 
     @property
     def sharded(self) -> bool:
@@ -107,31 +163,15 @@ class TrainingLoop:
         return torch.float16 if self.device.type == "cuda" else torch.bfloat16
 
     def step(self, save_model: bool = False) -> torch.Tensor:
-        """One training step; returns the loss, detached.
+        """One training step; returns the loss, detached (with ``accum_steps > 1``, the mean of
+        the forwards' losses).
 
         Args:
             save_model: afterwards, save a full state dict, zero the parameters and load it.
         """
-        model, test_model = self.model, self.test_model
-        model_device = next(model.parameters()).device
+        model = self.model
         self.optim.zero_grad()
-        with torch.autocast(self.device.type, dtype=self._autocast_dtype(), enabled=self.autocast):
-            inputs = test_model.get_input(self.device)
-            if self.use_pure_fp16:
-                inputs = _cast_floats(inputs, torch.float16)
-            elif self.mixed_precision is not None and not self.sharded:
-                # As torch: the reference gets the low-precision inputs the sharded model casts
-                # its inputs to (a precision reference casts them anyway).
-                inputs = _cast_floats(inputs, self._autocast_dtype())
-            if isinstance(self.engine, StepsItself):
-                loss = self._engine_step(self.engine, inputs, model_device)
-            else:
-                output = model(*inputs)
-                loss = test_model.get_loss(inputs, output).to(model_device)
-        if not isinstance(self.engine, StepsItself):
-            loss = self.scaler.scale(loss)
-            self._validate_loss_dtype(loss)
-            test_model.run_backward(loss)
+        losses = [self._forward_backward() for _ in range(self.accum_steps)]
         if self.after_backward is not None:
             self.after_backward()
         if self.offload_params and self.sharded:
@@ -144,23 +184,57 @@ class TrainingLoop:
         self.scaler.update()
         if save_model:
             self._save_zero_load()
+        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+
+    def _next_input(self) -> Any:
+        index, self.forwards = self.forwards, self.forwards + 1
+        if self.batches is not None:
+            return self.batches(index)
+        assert self.test_model is not None  # for mypy: __init__ found one
+        return self.test_model.get_input(self.device)
+
+    def _forward_backward(self) -> torch.Tensor:
+        """Forward, loss and backward of one batch; returns the loss, detached."""
+        with torch.autocast(self.device.type, dtype=self._autocast_dtype(), enabled=self.autocast):
+            inputs = self._next_input()
+            if self.use_pure_fp16:
+                inputs = _cast_floats(inputs, torch.float16)
+            elif self.mixed_precision is not None and not self.sharded:
+                # As torch: the reference gets the low-precision inputs the sharded model casts
+                # its inputs to (a precision reference casts them anyway).
+                inputs = _cast_floats(inputs, self._autocast_dtype())
+            if self.step_fn is not None:
+                return self.step_fn(self.model, inputs).detach()
+            loss = self.loss_fn(self.model, inputs)
+        loss = self.scaler.scale(loss)
+        self._validate_loss_dtype(loss)
+        self._backward(loss / self.accum_steps if self.accum_steps > 1 else loss)
         return loss.detach()
 
-    def _engine_step(
-        self, engine: StepsItself, inputs: tuple[Any, ...], model_device: torch.device
-    ) -> torch.Tensor:
+    def _workload_loss(self, model: Any, inputs: Any) -> torch.Tensor:
+        assert self.test_model is not None  # for mypy: no workload means a loss_fn was given
+        model_device = next(model.parameters()).device
+        return self.test_model.get_loss(inputs, model(*inputs)).to(model_device)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.test_model is not None:
+            self.test_model.run_backward(loss)
+        else:
+            loss.backward()
+
+    def _engine_step(self, model: Any, inputs: Any) -> torch.Tensor:
         """Forward, loss and backward by an engine that runs them itself (graph mode)."""
-        if self.scaler.is_enabled() or self.autocast or self.use_pure_fp16:
+        engine = self.engine
+        assert isinstance(engine, StepsItself)  # for mypy: __init__ chose this step
+        if self.scaler.is_enabled() or self.autocast or self.use_pure_fp16 or self.accum_steps > 1:
             raise NotImplementedError(
                 f"engine {getattr(engine, 'name', engine)!r} runs the step itself and supports "
-                "neither a grad scaler, autocast nor pure fp16 (enable_sharded_grad_scaler="
-                f"{self.scaler.is_enabled()}, autocast={self.autocast}, use_pure_fp16="
-                f"{self.use_pure_fp16}); train without them or use another engine."
+                "neither a grad scaler, autocast, pure fp16 nor gradient accumulation "
+                f"(enable_sharded_grad_scaler={self.scaler.is_enabled()}, autocast="
+                f"{self.autocast}, use_pure_fp16={self.use_pure_fp16}, accum_steps="
+                f"{self.accum_steps}); train without them or use another engine."
             )
-        test_model = self.test_model
-        loss = engine.train_step(
-            self.model, inputs, lambda m, i: test_model.get_loss(i, m(*i)).to(model_device)
-        )
+        loss = engine.train_step(model, inputs, self.loss_fn)
         self._validate_loss_dtype(loss)
         return loss
 
@@ -209,6 +283,8 @@ class TrainingLoop:
     def named_full_params(self) -> list[tuple[str, torch.Tensor]]:
         """Detached copies of the full parameters, named as in the unwrapped model (the
         engine's for a sharded model)."""
+        if self.full_state is not None:
+            return [(n, t.detach().clone()) for n, t in self.full_state(self.model).items()]
         if self.engine is not None:
             return self.engine.named_full_params(self.model)
         return [
