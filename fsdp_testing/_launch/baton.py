@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from fsdp_testing._launch.rank_threads import Aborted, acquire_briefly
 from fsdp_testing._rank import process_state
+from fsdp_testing._report.text import ranks_phrase
 
 __all__ = ["Baton", "LocalDeadlock"]
 
@@ -181,9 +182,10 @@ class Baton:
             f"{_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} in {what}"
             for what, ranks in by_what.items()
         ]
-        finished = sorted(self._finished)
-        if finished:
-            parts.append(f"{_ranks(finished)} finished the test")
+        for failed, how in ((False, "returned"), (True, "failed")):
+            finished = sorted(r for r, f in self._finished.items() if f is failed)
+            if finished:
+                parts.append(f"{_ranks(finished)} finished the test ({how})")
         return (
             "mode='local': no rank can go on, so a real run would hang here: "
             + "; ".join(parts)
@@ -194,4 +196,4 @@ class Baton:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    return ranks_phrase(ranks)

@@ -31,6 +31,23 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ", ".join(runs)
 
 
+#: The longest list of rank ranges a phrase spells out; a longer one keeps its ends.
+RANGES_CHARS = 100
+
+
+def _bounded(ranges: str) -> str:
+    """``ranges`` within ``RANGES_CHARS``: ``"9, 12, 15, ..., 63"`` (the count says how many)."""
+    if len(ranges) <= RANGES_CHARS:
+        return ranges
+    runs = ranges.split(", ")
+    kept: list[str] = []
+    for run in runs[:-1]:
+        if len(", ".join([*kept, run, "...", runs[-1]])) > RANGES_CHARS:
+            break
+        kept.append(run)
+    return ", ".join([*kept, "...", runs[-1]])
+
+
 def _nodes(ranks: list[int], where: Mapping[int, str] | None) -> str:
     """``" (node 1)"`` or ``" (nodes 0-1)"`` for ranks that ``where`` places (``"node N, local
     rank M"``); empty when it places none."""
@@ -57,7 +74,7 @@ def ranks_phrase(
     ordered = sorted(set(ranks))
     if len(ordered) == 1:
         return rank_label(ordered[0], where)
-    text = "ranks " + rank_ranges(ordered)
+    text = "ranks " + _bounded(rank_ranges(ordered))
     if of is not None:
         text += f" ({len(ordered)} of {of})"
     return text + _nodes(ordered, where)

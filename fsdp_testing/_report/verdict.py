@@ -167,7 +167,7 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
 
     dead = sorted(r for r in causes if r in obs.dead)
     dead_keys = {
-        r: (obs.exit_status.get(r, "exited"), mask(_last_words(obs.last_output.get(r, ""))))
+        r: (obs.exit_status.get(r, "exited"), stack_key(_last_words(obs.last_output.get(r, ""))))
         for r in dead
     }
     dead_groups = group_ranks(dead_keys)
@@ -205,10 +205,11 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         )
     for groups in families.values():
         first = groups[0]
+        shown = min(first, key=lambda r: (raised[r].finished_at, r))
         heading = ranks_heading(first, where, of=world)
         if len(first) > 1:
-            heading += f" the same error; the traceback of rank {first[0]}, the first to fail:"
-        parts.append(f"\n{heading}\n{message_of(raised[first[0]]).rstrip()}")
+            heading += f" the same error; the traceback of rank {shown}, the first to fail:"
+        parts.append(f"\n{heading}\n{message_of(raised[shown]).rstrip()}")
         for ranks in groups[1 : 1 + VARIANTS_SHOWN]:
             parts.append(
                 f"\n{ranks_heading(ranks, where, of=world)} failed at the same place with "
