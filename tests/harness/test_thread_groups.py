@@ -11,7 +11,7 @@ from fsdp_testing._protocol import Task
 from fsdp_testing.launcher import run_distributed
 
 # torch's own barrier hung both ranks within 18 to 973 such groups in five trials (two threads,
-# no harness): see [Note: the threaded group's barrier] in fsdp_testing/_launch/threads.py.
+# no harness): see [Note: the threaded group's barrier] in fsdp_testing/_launch/thread_group.py.
 GROUPS = 3000
 
 
@@ -49,7 +49,7 @@ def test_groups_made_by_every_rank_still_reduce_over_their_members(rank):
 def _check_barrier_is_ours() -> None:
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
-    from fsdp_testing._launch.threads import _threaded_group_barrier
+    from fsdp_testing._launch.thread_group import _threaded_group_barrier
 
     assert mtpg._store_based_barrier is _threaded_group_barrier
 
