@@ -1,7 +1,8 @@
 """The parts of ``torch.testing._internal.common_utils`` that distributed and FSDP tests import,
 without torch's dev-only dependencies (``expecttest``): the tensor-aware ``TestCase``,
 ``parametrize``/``subtest``/``instantiate_parametrized_tests`` (torch's test names), the
-environment flags, the skip decorators and small helpers (see docs/compatibility.md)."""
+environment flags, the skip decorators (torch 2.15's hardware and CI gates too) and small helpers
+(see docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,18 @@ from fsdp_testing._compat.env import (
     TEST_HPU,
     TEST_WITH_ASAN,
     TEST_WITH_DEV_DBG_ASAN,
+    TEST_WITH_PERIODIC,
     TEST_WITH_ROCM,
     TEST_WITH_TSAN,
     TEST_XPU,
     LazyVal,
     set_rng_seed,
+)
+from fsdp_testing._compat.gates import (
+    HardwareClassification,
+    periodic,
+    requires_accelerator,
+    requires_multigpu,
 )
 from fsdp_testing._compat.parametrize import (
     ADDRESS_IN_USE,
@@ -56,15 +64,20 @@ __all__ = [
     "TEST_MULTIGPU",
     "TEST_WITH_ASAN",
     "TEST_WITH_DEV_DBG_ASAN",
+    "TEST_WITH_PERIODIC",
     "TEST_WITH_ROCM",
     "TEST_WITH_TSAN",
     "TEST_XPU",
+    "HardwareClassification",
     "LazyVal",
     "TestCase",
     "find_free_port",
     "get_cycles_per_ms",
     "instantiate_parametrized_tests",
     "parametrize",
+    "periodic",
+    "requires_accelerator",
+    "requires_multigpu",
     "retry_on_connect_failures",
     "run_tests",
     "set_rng_seed",

@@ -122,6 +122,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "no_dist_pool: run this distributed test on freshly forked rank processes instead of "
         "the warm pool (as --no-dist-pool does for every test).",
     )
+    # torch 2.15's common_utils markers, which fsdp_testing.common_utils attaches too.
+    config.addinivalue_line("markers", "multigpu: needs two GPUs or more (requires_multigpu)")
+    config.addinivalue_line(
+        "markers", "periodic: runs in CI only with TEST_WITH_PERIODIC (periodic)"
+    )
     config.stash[_settings_key] = settings = _settings_from(config)
     _configure_cpu_world_size(config)
     if not config.option.help:

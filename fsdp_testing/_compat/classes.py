@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fsdp_testing._unittest.assertions import TestCase
 from fsdp_testing.testcase import MultiProcessTestCase
 
-from .env import accelerator_count
+from .env import TORCH_RELEASE, accelerator_count
 
 __all__ = [
     "C10dTorchCommsTestBase",
@@ -33,6 +33,22 @@ _BACKEND_BY_DEVICE = (("cuda", "nccl"), ("hpu", "hccl"), ("xpu", "xccl"))
 
 def _backend_for(device: str) -> str:
     return next((backend for kind, backend in _BACKEND_BY_DEVICE if kind in device), "gloo")
+
+
+def backend_available(backend: str, release: tuple[int, int] = TORCH_RELEASE) -> bool:
+    """Whether torch ``release`` would let a test class ask for ``backend``: from 2.15
+    ``dist.is_backend_available`` (third-party backends too; an unknown name is unavailable),
+    before it only nccl, gloo, mpi and xccl were checked and any other name let the class run."""
+    if release >= (2, 15):
+        return bool(dist.is_backend_available(backend))
+    checks = {
+        "nccl": dist.is_nccl_available,
+        "gloo": dist.is_gloo_available,
+        "mpi": dist.is_mpi_available,
+        "xccl": getattr(dist, "is_xccl_available", lambda: False),
+    }
+    check = checks.get(backend)
+    return check is None or bool(check())
 
 
 @contextlib.contextmanager
@@ -62,30 +78,50 @@ class DistributedTestBase(MultiProcessTestCase):
         """The backend for ``device``: nccl for cuda, hccl for hpu, xccl for xpu, else gloo."""
         return _backend_for(device)
 
-    def create_pg(self, device: str, world_size: int | None = None) -> Any:
-        """The default process group, for ``device``; skips the test when ``device`` needs an
-        accelerator this machine lacks.
+    def create_pg(
+        self, device: str, world_size: int | None = None, backend: str | None = None
+    ) -> Any:
+        """The process group of the test's ranks for ``device``: the default group (here it
+        already exists, so the call checks the device and returns it). Skips the test when
+        ``device`` or ``backend`` needs what this machine lacks.
 
         Args:
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
             world_size: must equal the test's world size when given.
+            backend: the backend (torch 2.15's argument; default: the device's, as
+                :meth:`backend` says). When the default group runs another one, a group of
+                every rank over ``backend`` is made and returned; the harness destroys it after
+                the test.
         """
-        wanted = _backend_for(device)
-        if wanted != "gloo" and accelerator_count() == 0:
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(
+                f"create_pg(backend={backend!r}): backend must be a backend name such as "
+                "'gloo' or 'nccl', or None for the device's"
+            )
+        wanted = backend or self.backend(device)
+        needs_accelerator = any(name in wanted for name in ("nccl", "xccl", "hccl"))
+        if needs_accelerator and accelerator_count() == 0:
             raise unittest.SkipTest(
                 f"create_pg({device!r}) needs the {wanted} backend and a {device} device; this "
                 "machine has no accelerator"
+            )
+        if backend is not None and not dist.is_backend_available(backend):
+            raise unittest.SkipTest(
+                f"create_pg(backend={backend!r}): Backend '{backend}' is not available"
             )
         if world_size is not None and world_size != self.world_size:
             raise ValueError(
                 f"create_pg(world_size={world_size}) in a test running on {self.world_size} "
                 "ranks: set the class's world_size to match"
             )
-        if wanted != "gloo":
-            index = self.rank % max(accelerator_count(), 1)
+        if needs_accelerator:
+            index = self.rank % accelerator_count()
             torch.accelerator.set_device_index(index)
             torch.set_default_device(torch.device(device.split(":")[0], index))
-        return self.process_group
+        group = self.process_group
+        if backend is not None and backend not in str(dist.get_backend(group)):
+            return dist.new_group(backend=backend)
+        return group
 
     def rank_to_device(self, device: str) -> dict[int, list[int]]:
         """Rank -> device ids, round robin over the visible devices of ``device``'s type."""
@@ -112,6 +148,15 @@ class MultiProcContinuousTest(MultiProcessTestCase):
     rdvz_file: str | None = None
     timeout: Any = datetime.timedelta(seconds=120)
     poison_pill: bool = False
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        """Skips the class when ``backend_str()`` names a backend this torch lacks (see
+        :func:`backend_available`)."""
+        super().setUpClass()
+        backend = cls.backend_str()
+        if backend is not None and not backend_available(backend):
+            raise unittest.SkipTest(f"Backend '{backend}' is not available")
 
     @classmethod
     def backend_str(cls) -> str | None:

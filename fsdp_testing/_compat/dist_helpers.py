@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .env import FILE_SCHEMA, TEST_HPU, TEST_WITH_TSAN, TEST_XPU
+from .env import FILE_SCHEMA, TEST_HPU, TEST_WITH_TSAN, TEST_XPU, TORCH_RELEASE
 from .parametrize import find_free_port, retry_on_connect_failures
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "SaveForwardInputsModule",
     "captured_output",
     "cleanup_temp_dir",
+    "core_dumps_disabled",
     "create_device",
     "create_tcp_store",
     "get_timeout",
@@ -77,11 +78,14 @@ TORCHCOMM_HAS_NCCL: bool = _HAS_TORCHCOMMS and dist.is_nccl_available()
 TORCHCOMM_HAS_NCCLX: bool = TORCHCOMM_HAS_NCCL
 TORCHCOMM_HAS_RCCL = TORCHCOMM_HAS_RCCLX = TORCHCOMM_HAS_XCCL = False
 
+_XCCL_SINCE_2_14 = ("xccl",) if TORCH_RELEASE >= (2, 14) else ()
+
 
 @dataclasses.dataclass
 class DistTestCases:
     """Which backends lack a collective (``skip_collective``) or have a feature
-    (``backend_feature``), as torch lists them."""
+    (``backend_feature``), as the installed torch lists them (xccl has the gpu, ddp and subgroup
+    features from torch 2.14)."""
 
     skip_collective: ClassVar[dict[str, set[str]]] = {
         "allgather_coalesced": {"nccl", "mpi", "ucc", "xccl"},
@@ -90,10 +94,10 @@ class DistTestCases:
         "cpu barrier": {"nccl", "ucc", "xccl"},
     }
     backend_feature: ClassVar[dict[str, set[str]]] = {
-        "gpu": {"nccl", "gloo", "ucc"},
+        "gpu": {"nccl", "gloo", "ucc", *_XCCL_SINCE_2_14},
         "cuda": {"nccl", "gloo", "ucc"},
-        "ddp": {"nccl", "gloo", "ucc"},
-        "subgroup": {"nccl", "gloo", "ucc"},
+        "ddp": {"nccl", "gloo", "ucc", *_XCCL_SINCE_2_14},
+        "subgroup": {"nccl", "gloo", "ucc", *_XCCL_SINCE_2_14},
         "plugin": set(),
         **({"hpu": {"hccl"}} if TEST_HPU else {}),
         **({"xpu": {"xccl"}} if TEST_XPU else {}),
@@ -150,6 +154,28 @@ def captured_output() -> Iterator[tuple[io.StringIO, io.StringIO]]:
         yield out, err
     finally:
         sys.stdout, sys.stderr = saved
+
+
+@contextlib.contextmanager
+def core_dumps_disabled() -> Iterator[None]:
+    """Core dumps off (soft ``RLIMIT_CORE`` 0) inside the block, restored after it (torch 2.15).
+
+    A HIP runtime with core dumps enabled aborts the process on a device-side assert, to write
+    a GPU core file; with the limit at 0 the fault surfaces as an exception at the next
+    synchronization, as on CUDA. Keep the block open through that synchronization. Nothing
+    changes on Windows, which has no ``RLIMIT_CORE``.
+    """
+    if sys.platform == "win32":
+        yield
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
 
 
 def _sparse_case(rank: int, world_size: int, sparse_dims: int, dense_dims: int) -> torch.Tensor:

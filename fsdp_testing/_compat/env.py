@@ -26,6 +26,7 @@ __all__ = [
     "DISTRIBUTED_BACKEND",
     "FILE_SCHEMA",
     "HAS_ACCELERATOR",
+    "IS_CI",
     "IS_SANDCASTLE",
     "PLATFORM_SUPPORTS_SYMM_MEM",
     "SEED",
@@ -33,12 +34,15 @@ __all__ = [
     "TEST_HPU",
     "TEST_WITH_ASAN",
     "TEST_WITH_DEV_DBG_ASAN",
+    "TEST_WITH_PERIODIC",
     "TEST_WITH_ROCM",
     "TEST_WITH_TSAN",
     "TEST_XPU",
+    "TORCH_RELEASE",
     "LazyVal",
     "accelerator_count",
     "evaluate_platform_supports_symm_mem",
+    "fsdp_device_selection",
     "set_rng_seed",
 ]
 
@@ -47,6 +51,14 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_RELEASE: tuple[int, int] = _release(torch.__version__)
+"""The installed torch's ``(major, minor)``: the mirrors follow its names and behaviour (see
+docs/compatibility.md, "Supported torch releases")."""
 TEST_CUDA: bool = torch.cuda.is_available()
 """CUDA is available."""
 TEST_XPU: bool = bool(hasattr(torch, "xpu") and torch.xpu.is_available())
@@ -60,6 +72,15 @@ TEST_WITH_DEV_DBG_ASAN: bool = _flag("PYTORCH_TEST_WITH_DEV_DBG_ASAN")
 TEST_WITH_TSAN: bool = _flag("PYTORCH_TEST_WITH_TSAN")
 IS_SANDCASTLE: bool = _flag("SANDCASTLE") or os.environ.get("TW_JOB_USER") == "sandcastle"
 """Meta's internal CI; False everywhere else (tests that check it then run normally)."""
+IS_CI: bool = bool(os.environ.get("CI"))
+"""A CI job (``$CI`` set to anything), as torch reads it."""
+TEST_WITH_PERIODIC: bool = (
+    _flag("PYTORCH_TEST_WITH_PERIODIC")
+    if "PYTORCH_TEST_WITH_PERIODIC" in os.environ
+    else os.environ.get("TEST_CONFIG") == "periodic"
+)
+"""Run the tests marked ``@periodic`` in CI (torch 2.15's flag): ``$PYTORCH_TEST_WITH_PERIODIC``,
+else a ``$TEST_CONFIG`` of ``periodic``."""
 HAS_ACCELERATOR: bool = TEST_CUDA or TEST_HPU or TEST_XPU
 FILE_SCHEMA = "file://" if sys.platform != "win32" else "file:///"
 
@@ -75,17 +96,41 @@ def accelerator_count() -> int:
     return 0
 
 
-if TEST_CUDA:
-    DEVICE_TYPE, DISTRIBUTED_BACKEND = "cuda", "nccl"
-elif TEST_HPU:
-    DEVICE_TYPE, DISTRIBUTED_BACKEND = "hpu:0", "hccl"
-elif TEST_XPU:
-    DEVICE_TYPE, DISTRIBUTED_BACKEND = "xpu", "xccl"
-else:
-    DEVICE_TYPE, DISTRIBUTED_BACKEND = "cpu", "gloo"
+def fsdp_device_selection(release: tuple[int, int]) -> tuple[str, str, int]:
+    """``common_fsdp``'s ``(DEVICE_TYPE, DISTRIBUTED_BACKEND, DEVICE_COUNT)`` as torch
+    ``release`` computes them on this machine, except the count without an accelerator (the CPU
+    world size; see the module's docstring).
 
-DEVICE_COUNT: int = accelerator_count() if HAS_ACCELERATOR else cpu_world_size()
-"""Ranks an FSDP test class uses by default: the accelerators, else the CPU world size."""
+    Before 2.15: CUDA (nccl), else HPU (``"hpu:0"``, hccl), else XPU (xccl), else cpu and gloo.
+    From 2.15: ``torch.accelerator``'s current accelerator, whatever its kind (a PrivateUse1
+    device too), with the backend torch registers for it; an MPS device counts as none (gloo
+    takes no MPS tensors).
+
+    Args:
+        release: torch's ``(major, minor)``; :data:`TORCH_RELEASE` for the installed one.
+    """
+    if release >= (2, 15):
+        current = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
+        if current is not None and current.type != "mps":
+            import torch.distributed as dist
+
+            backend = dist.get_default_backend_for_device(current)
+            return current.type, backend, torch.accelerator.device_count()
+        return "cpu", "gloo", cpu_world_size()
+    if torch.cuda.is_available():
+        return "cuda", "nccl", torch.cuda.device_count()
+    if hasattr(torch, "hpu") and torch.hpu.is_available():
+        return "hpu:0", "hccl", int(torch.hpu.device_count())
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu", "xccl", int(torch.xpu.device_count())
+    return "cpu", "gloo", cpu_world_size()
+
+
+DEVICE_TYPE, DISTRIBUTED_BACKEND, DEVICE_COUNT = fsdp_device_selection(TORCH_RELEASE)
+"""``DEVICE_COUNT``: ranks an FSDP test class uses by default: the accelerators, else the CPU
+world size."""
 DEFAULT_WORLD_SIZE = 4
 """``MultiProcessTestCase``'s default world size, as torch's."""
 

@@ -64,7 +64,10 @@ def test_script_gives_pytests_outcomes_in_every_mode(tmp_path: Path, main: str) 
     assert "has no attribute" not in proc.stderr
     assert "the last rank is off" in proc.stderr
 
-    assert _pytest_outcomes(tmp_path) == got
+
+def test_pytest_gives_the_same_outcomes(tmp_path: Path) -> None:
+    (tmp_path / "test_as_script.py").write_text((SCENARIOS / "test_as_script.py").read_text())
+    assert _pytest_outcomes(tmp_path) == EXPECTED
 
 
 def _pytest_outcomes(tmp_path: Path) -> dict[tuple[str, str], str]:

@@ -3,7 +3,9 @@ in our mirror modules, so the gap cannot reopen silently when torch is upgraded.
 
 A module's public surface is what it defines at top level (functions, classes, assignments,
 also under ``if``/``try``) plus what it re-exports from ``torch.testing._internal`` (names tests
-import through it, such as ``common_fsdp.TEST_SKIPS``); names starting with ``_`` are private.
+import through it, such as ``common_fsdp.TEST_SKIPS``), less what it deletes again (torch 2.15's
+``common_fsdp`` assigns ``acc`` and then ``del acc``); names starting with ``_`` are private.
+These tests run under every torch of the supported range (scripts/torch_matrix.sh).
 """
 
 from __future__ import annotations
@@ -14,34 +16,42 @@ import inspect
 from types import ModuleType
 
 import pytest
+import torch
 
 MIRRORS = {
     "torch.testing._internal.common_fsdp": "fsdp_testing.common_fsdp",
     "torch.testing._internal.common_distributed": "fsdp_testing.common_distributed",
 }
 # The common_utils names distributed and FSDP test files import (common_utils itself has
-# hundreds of names for torch's whole suite; these are the distributed tests' share).
-COMMON_UTILS_NAMES = (
-    "TEST_WITH_DEV_DBG_ASAN",
-    "TEST_XPU",
-    "TEST_HPU",
-    "TEST_CUDA",
-    "TEST_WITH_ROCM",
-    "xfailIf",
-    "subtest",
-    "skipIfRocm",
-    "run_tests",
-    "instantiate_parametrized_tests",
-    "parametrize",
-    "TestCase",
-    "find_free_port",
-    "get_cycles_per_ms",
-    "set_rng_seed",
-    "skip_but_pass_in_sandcastle_if",
-    "retry_on_connect_failures",
-    "FILE_SCHEMA",
-    "IS_SANDCASTLE",
-)
+# hundreds of names for torch's whole suite; these are the distributed tests' share), with the
+# torch release that added each (None: before the supported range's floor). The mirror has
+# every one under every release; torch has one exactly from its release on.
+COMMON_UTILS_NAMES: dict[str, tuple[int, int] | None] = {
+    "TEST_WITH_DEV_DBG_ASAN": None,
+    "TEST_XPU": None,
+    "TEST_HPU": None,
+    "TEST_CUDA": None,
+    "TEST_WITH_ROCM": None,
+    "xfailIf": None,
+    "subtest": None,
+    "skipIfRocm": None,
+    "run_tests": None,
+    "instantiate_parametrized_tests": None,
+    "parametrize": None,
+    "TestCase": None,
+    "find_free_port": None,
+    "get_cycles_per_ms": None,
+    "set_rng_seed": None,
+    "skip_but_pass_in_sandcastle_if": None,
+    "retry_on_connect_failures": None,
+    "FILE_SCHEMA": None,
+    "IS_SANDCASTLE": None,
+    "HardwareClassification": (2, 15),
+    "requires_multigpu": (2, 15),
+    "requires_accelerator": (2, 15),
+    "periodic": (2, 15),
+    "TEST_WITH_PERIODIC": (2, 15),
+}
 
 
 def public_surface(module: ModuleType) -> set[str]:
@@ -63,6 +73,10 @@ def surface_of_source(source: str) -> set[str]:
                 "torch.testing._internal"
             ):
                 names.update(alias.asname or alias.name for alias in node.names)
+            elif isinstance(node, ast.Delete):
+                names.difference_update(
+                    n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)
+                )
             elif isinstance(node, (ast.If, ast.Try)):
                 visit(node.body)
                 visit(node.orelse)
@@ -88,11 +102,17 @@ def test_mirror_has_every_public_name_of_torchs_module(torch_name: str) -> None:
 
 def test_common_utils_mirror_has_the_names_distributed_tests_import() -> None:
     from fsdp_testing import common_utils
+    from fsdp_testing._compat.env import TORCH_RELEASE
 
     torch_utils = importlib.import_module("torch.testing._internal.common_utils")
-    for name in COMMON_UTILS_NAMES:
-        assert hasattr(torch_utils, name), f"torch's common_utils no longer has {name}"
+    for name, since in COMMON_UTILS_NAMES.items():
+        expected = since is None or TORCH_RELEASE >= since
+        assert hasattr(torch_utils, name) == expected, (
+            f"torch {torch.__version__}'s common_utils {'lacks' if expected else 'has'} {name}: "
+            f"COMMON_UTILS_NAMES says torch has it from {since}"
+        )
         assert hasattr(common_utils, name), f"fsdp_testing.common_utils lacks {name}"
+        assert name in common_utils.__all__, f"fsdp_testing.common_utils.__all__ lacks {name}"
 
 
 def test_surface_parser_sees_definitions_reexports_and_conditionals() -> None:
@@ -102,5 +122,7 @@ def test_surface_parser_sees_definitions_reexports_and_conditionals() -> None:
         "if path:\n    A = 1\nelse:\n    B = 2\n"
         "try:\n    C = 3\nexcept ImportError:\n    D = 4\n"
         "def f(): pass\nclass K: pass\n_private = 5\n"
+        "if path:\n    tmp = 6\n    del tmp\n"
+        "E = 7\nF = 8\ndel E, F\nF = 9\n"
     )
-    assert surface_of_source(source) == {"FLAG", "run_tests", "A", "B", "C", "D", "f", "K"}
+    assert surface_of_source(source) == {"FLAG", "run_tests", "A", "B", "C", "D", "f", "K", "F"}

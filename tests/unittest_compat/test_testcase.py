@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_testing._rank.skips import multi_device_message
+
 from .._scenario import Run, run_scenario
 
 SCENARIOS = Path(__file__).parent / "scenarios"
@@ -37,7 +39,7 @@ def test_skips_are_reported_with_their_reason(run: Run) -> None:
     assert run.cases["test_skips"].outcome == "skipped"
     assert "no widgets here" in run.cases["test_skips"].message
     assert run.cases["test_torch_exit_code_skip"].outcome == "skipped"
-    assert "Need at least 8 CUDA devices" in run.cases["test_torch_exit_code_skip"].message
+    assert multi_device_message(8) in run.cases["test_torch_exit_code_skip"].message
 
 
 @pytest.mark.skipif(
@@ -49,7 +51,7 @@ def test_gpu_decorator_runs_on_cpu_unless_gpus_are_required(run: Run) -> None:
     import torch
 
     if torch.cuda.device_count() < 2:
-        assert case.outcome == "skipped" and "Need at least 2 CUDA devices" in case.message
+        assert case.outcome == "skipped" and multi_device_message(2) in case.message
 
 
 def test_failing_subtest_is_labelled(run: Run) -> None:

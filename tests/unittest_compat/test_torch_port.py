@@ -81,6 +81,26 @@ def test_continuous_class_failure_does_not_poison_the_next_test(run: Run) -> Non
     assert run.cases["test_b_still_runs"].outcome == "passed", run.cases["test_b_still_runs"].text
 
 
+def test_continuous_class_forwards_a_skip_from_its_ranks(run: Run) -> None:
+    # torch forwards a rank's SkipTest from 2.14 (before, it failed the class); here always.
+    case = run.cases["test_c_skips_on_the_ranks"]
+    assert case.outcome == "skipped" and "has no widget" in case.message, case.text
+    assert run.cases["test_d_runs_after_the_skip"].outcome == "passed"
+
+
+def test_continuous_class_with_a_missing_backend_is_skipped(run: Run) -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_mpi_available()
+    case = run.cases["test_never_runs"]
+    assert case.outcome == "skipped" and "Backend 'mpi' is not available" in case.message
+
+
+def test_create_pg_takes_torch_2_15s_backend_argument(run: Run) -> None:
+    case = run.cases["test_create_pg_with_a_backend"]
+    assert case.outcome == "passed", case.text
+
+
 def test_cpu_world_size_option_sets_the_substituted_world(tmp_path: Path) -> None:
     run = run_scenario(
         tmp_path,

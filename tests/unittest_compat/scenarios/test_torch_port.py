@@ -8,7 +8,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
-from fsdp_testing.common_distributed import MultiProcContinuousTest, skip_if_lt_x_gpu
+from fsdp_testing.common_distributed import (
+    DistributedTestBase,
+    MultiProcContinuousTest,
+    skip_if_lt_x_gpu,
+)
 from fsdp_testing.common_fsdp import (
     CUDAInitMode,
     FSDPInitMode,
@@ -116,6 +120,35 @@ class TestContinuous(MultiProcContinuousTest):
         t = torch.ones(1)
         dist.all_reduce(t, group=self.pg)
         self.assertEqual(t.item(), 2.0)
+
+    def test_c_skips_on_the_ranks(self):
+        self.skipTest(f"rank {self.rank} has no widget")
+
+    def test_d_runs_after_the_skip(self):
+        dist.barrier(group=self.pg)
+
+
+class TestContinuousMissingBackend(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return os.environ.get("MISSING_BACKEND", "mpi")
+
+    def test_never_runs(self):
+        raise AssertionError("a class whose backend is missing must be skipped")
+
+
+class TestCreatePg(DistributedTestBase):
+    world_size = 2
+
+    def test_create_pg_with_a_backend(self):
+        pg = self.create_pg("cpu", backend="gloo")
+        self.assertEqual(dist.get_backend(pg), "gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=pg)
+        self.assertEqual(t.item(), 2.0)
+        self.assertIs(self.create_pg("cpu"), self.process_group)
 
 
 class TestPlainAssert(unittest.TestCase):
