@@ -51,6 +51,7 @@ __all__ = [
     "ExpectedFailure",
     "Fault",
     "FaultKind",
+    "FaultNeverFired",
     "InjectedFault",
     "delay",
     "expect",
@@ -79,6 +80,11 @@ class FaultKind(str, enum.Enum):
 
 class InjectedFault(RuntimeError):
     """Raised on a rank by :func:`fail` (unless another exception was given)."""
+
+
+class FaultNeverFired(ValueError):
+    """Raised on a rank whose fault's collective never came: the test or the ``inject`` block
+    ended before the rank issued its ``at``-th collective (of family ``op``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +130,17 @@ class Fault:
                 f"{api}: exc must be an exception instance (e.g. RuntimeError('boom')), got "
                 f"{self.exc!r}"
             )
+
+    def describe(self) -> str:
+        """The call that makes this fault, e.g. ``faults.fail(rank=0, at=5, op='all_reduce')``."""
+        args = [f"rank={self.rank}", f"at={self.at}"]
+        if self.kind is FaultKind.DELAY:
+            args.append(f"ms={self.ms:g}")
+        if self.op is not None:
+            args.append(f"op={self.op!r}")
+        if self.exc is not None:
+            args.append(f"exc={self.exc!r}")
+        return f"faults.{self.kind.value}({', '.join(args)})"
 
 
 def kill(rank: int, at: int, *, op: str | None = None) -> Fault:
@@ -172,6 +189,7 @@ class FaultPlan:
         self.rank = rank
         self.faults = [f for f in faults if f.rank == rank]
         self._counts: dict[str | None, int] = {}
+        self._fired: list[Fault] = []
 
     def before(self, op: str, note: Any) -> None:
         """Called just before collective ``op`` (a ``torch.distributed`` name) starts;
@@ -186,7 +204,32 @@ class FaultPlan:
                 continue
             where = f"{family} #{fault.at}"
             note({"fault": fault.kind.value, "op": op, "where": where, "t": time.time()})
+            self._fired.append(fault)
             self._fire(fault, where)
+
+    def check_fired(self, span: str) -> None:
+        """Raise :class:`FaultNeverFired` for the first of this rank's faults that did not fire
+        by the end of ``span`` (``"the test"``, ``"the faults.inject block"``)."""
+        unfired = [f for f in self.faults if not any(f is g for g in self._fired)]
+        if not unfired:
+            return
+        fault = unfired[0]
+        total = self._counts.get(None, 0)
+        issued = ", ".join(f"{f} x{n}" for f, n in sorted(self._counts.items(), key=str) if f)
+        did = f"{total} collective{'s' if total != 1 else ''}" + (f" ({issued})" if issued else "")
+        if fault.op is None:
+            fix = f"use at=1..{total}" if total else "inject it where the rank issues collectives"
+            counted = ""
+        else:
+            n = self._counts.get(fault.op, 0)
+            counted = f", {n} of them {fault.op}"
+            fix = f"use at=1..{n}" if n else "name an op the rank issues, or op=None"
+        more = f" (and {len(unfired) - 1} more fault(s) of rank {self.rank})" if unfired[1:] else ""
+        raise FaultNeverFired(
+            f"{fault.describe()} never fired{more}: rank {self.rank} issued {did} in {span}"
+            f"{counted}, so it never reached the fault's collective. A fault that never fires "
+            f"tests nothing: {fix}."
+        )
 
     def _fire(self, fault: Fault, where: str) -> None:
         if fault.kind is FaultKind.DELAY:
@@ -230,8 +273,9 @@ def inject(*faults: Fault) -> Iterator[None]:
     if dist.get_backend() in ("threaded", "fake"):
         validate_for_mode(faults, "thread", dist.get_world_size())
     previous = recorder.faults
-    recorder.faults = FaultPlan(rank, tuple(faults))
+    plan = recorder.faults = FaultPlan(rank, tuple(faults))
     try:
         yield
     finally:
         recorder.faults = previous
+    plan.check_fired("the faults.inject block")

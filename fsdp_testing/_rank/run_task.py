@@ -49,7 +49,8 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def _faults_injected(task: Task, ctx: RankContext) -> Iterator[None]:
-    """Install the marker's faults on this rank's collective log while the body runs."""
+    """Install the marker's faults on this rank's collective log while the body runs; a fault
+    that never fired fails the rank (``FaultNeverFired``)."""
     if not task.faults:
         yield
         return
@@ -59,11 +60,12 @@ def _faults_injected(task: Task, ctx: RankContext) -> Iterator[None]:
     recorder = current_recorder()
     if recorder is None:  # pragma: no cover - every launcher installs a collective log
         raise AssertionError(f"[rank {ctx.rank}] faults given but no collective log installed")
-    recorder.faults = FaultPlan(ctx.rank, task.faults)
+    plan = recorder.faults = FaultPlan(ctx.rank, task.faults)
     try:
         yield
     finally:
         recorder.faults = None
+    plan.check_fired("the test")  # only once the body ended without raising
 
 
 def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> RankResult:
