@@ -118,6 +118,43 @@ def test_manual_finalization_matches_automatic(rank, process_group):
     _assert_grads(_full_grads(manual), _full_grads(auto), exact=True)
 
 
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.distributed(world_size=2)
+def test_manual_finalization_leaves_the_rest_to_finalize(manual, rank, process_group):
+    """A unit whose gradients are not all ready when backward ends (an expert rank 1 sends
+    nothing to) is reduced by the automatic end of backward, but under manual finalization
+    only by ``finalize_backward()``, which also waits for the reductions in flight; the
+    gradients are then the same."""
+    x = _batch(rank)
+    ref = _ddp_grads(_Moe(), [x], process_group, find_unused_parameters=True)
+    mesh = _mesh(process_group)
+    model = _Moe()
+    fully_shard(model.experts, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_manual_backward_finalization(manual)
+    model(x).sum().backward()
+    left = model.experts.a.weight.grad is None
+    if rank == 1 or not manual:  # rank 0's reduction may be in flight until finalization
+        assert left == manual
+    if manual:
+        model.finalize_backward()
+    _assert_grads(
+        _full_grads_of(model, skip="experts.b"),
+        {n: g for n, g in ref.items() if not n.startswith("experts.b")},
+    )
+
+
+def _full_grads_of(model: nn.Module, *, skip: str) -> dict[str, torch.Tensor | None]:
+    """As ``_full_grads``, leaving out the parameters named ``skip...`` (before any
+    collective: their ``.grad`` may be set on one rank only)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        if not name.startswith(skip):
+            grad = p.grad
+            out[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return out
+
+
 @pytest.mark.distributed(world_size=2)
 def test_manual_finalization_misuse_raises(rank, process_group):
     """torch's errors: finalize without the mode, on a non-root, with a handle pending, a
