@@ -17,6 +17,8 @@ pictures with matplotlib (the ``plot`` extra).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 
 __all__ = ["main"]
@@ -43,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
     """
     args = _parser().parse_args(argv)
+    # As ``python -m``: a user's module:attribute (--engine, --model) may live in the current
+    # directory; ranks inherit this path.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return int(args.run(args))
     finally:

@@ -72,7 +72,8 @@ class Config:
     """One row of the matrix.
 
     Args:
-        model: a key of :data:`MODELS`.
+        model: a key of :data:`MODELS`, or ``package.module:callable[:k=v,...]`` naming a
+            user's model.
         strategy: a ``ShardingStrategy`` member name.
         prefetch: a ``BackwardPrefetch`` member name or ``"none"``.
         offload: ``"on"`` offloads parameters to the CPU (``CPUOffload(offload_params=True)``).
@@ -80,6 +81,8 @@ class Config:
             reduces in bf16, ``"bf16/fp32"`` computes in bf16 and reduces in fp32.
         engine: a registered engine name, or ``module:attribute`` naming an engine object or
             class (for engines outside the registry, e.g. a deliberately broken one in a test).
+        inputs: a user's model: ``--input-shape`` values, one per positional input.
+        units: a user's model: ``--wrap`` class names, the submodules that become units.
     """
 
     model: str
@@ -88,6 +91,8 @@ class Config:
     offload: str
     mp: str
     engine: str
+    inputs: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -113,25 +118,51 @@ def parse_axis(axis: str, text: str) -> tuple[str, ...]:
     Raises:
         ValueError: a value is not accepted on this axis; the message lists the valid ones.
     """
-    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    values = _split(text, axis)
     if values == ("all",):
         return AXES[axis]
     if not values:
         raise ValueError(f"--{axis}: give at least one value ({', '.join(AXES[axis])} or all)")
-    bad = [v for v in values if v not in AXES[axis] and not (axis == "engine" and ":" in v)]
+    named = axis in _NAMED  # a user's engine or model by module:attribute
+    bad = [v for v in values if v not in AXES[axis] and not (named and ":" in v)]
     if bad:
         raise ValueError(
             f"--{axis}: unknown value(s) {', '.join(bad)}; valid: {', '.join(AXES[axis])}, all"
-            + (" or module:attribute naming an engine" if axis == "engine" else "")
+            + (f" or {_NAMED[axis]}" if named else "")
         )
     return tuple(dict.fromkeys(values))
+
+
+#: Axes that also take a user's object by ``module:attribute``, and what it names.
+_NAMED = {
+    "engine": "module:attribute naming an engine",
+    "model": "package.module:callable[:k=v,...] returning an nn.Module",
+}
+
+
+def _split(text: str, axis: str) -> tuple[str, ...]:
+    """The comma-separated values; on the model axis a ``k=v`` piece after a user's model
+    continues its size arguments (``pkg.mod:build:d=8,n=2`` is one value)."""
+    values: list[str] = []
+    for piece in (v.strip() for v in text.split(",")):
+        if not piece:
+            continue
+        continues = axis == "model" and values and values[-1].count(":") >= 2
+        if continues and "=" in piece and ":" not in piece:
+            values[-1] += "," + piece
+        else:
+            values.append(piece)
+    return tuple(values)
 
 
 def build_matrix(selection: dict[str, tuple[str, ...]]) -> list[Config]:
     """Every combination of the selected values, engine-major then model, in axis order."""
     order = ("engine", "model", "strategy", "prefetch", "offload", "mp")
     rows = itertools.product(*(selection[axis] for axis in order))
-    return [Config(**dict(zip(order, row, strict=True))) for row in rows]
+    return [
+        Config(engine=e, model=m, strategy=s, prefetch=p, offload=o, mp=mp)
+        for e, m, s, p, o, mp in rows
+    ]
 
 
 def row_world_size(config: Config, world_size: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ._matrix import MODELS, Config
 from ._plan_args import InputSpec, PlanError, PlanRequest
@@ -208,14 +206,12 @@ class _Inputs:
         )
 
     def get_loss(self, input: Any, output: Any) -> torch.Tensor:
-        values = tree_flatten(output)[0]
-        floats = [t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not floats:
-            raise PlanError(
-                f"--model {self.model_text}: the model's output has no floating-point tensor to "
-                "take a loss from; give the model a get_loss(input, output) method"
-            )
-        return torch.stack([t.sum().float() for t in floats]).sum()
+        from fsdp_testing.models.user import sum_of_outputs
+
+        try:
+            return sum_of_outputs(output, what=f"--model {self.model_text}")
+        except ValueError as error:
+            raise PlanError(str(error)) from None
 
     def run_backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -286,15 +282,15 @@ def _reference(request: PlanRequest, engine: Any, options: dict[str, Any]) -> An
 
 def _user_model(request: PlanRequest, engine: Any, options: dict[str, Any]) -> Any:
     from fsdp_core import unit_views
+    from fsdp_testing.models.user import load_factory
 
     spec = request.model
     try:
-        module = importlib.import_module(spec.module or "")
-    except ImportError as error:
-        raise PlanError(f"--model {spec.text}: cannot import {spec.module!r} ({error})") from None
-    factory = getattr(module, spec.attribute or "", None)
-    if not callable(factory):
-        raise PlanError(f"--model {spec.text}: {spec.module} has no callable {spec.attribute!r}")
+        factory = load_factory(
+            spec.module or "", spec.attribute or "", option=f"--model {spec.text}"
+        )
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     model = factory(**dict(spec.kwargs))
     if not isinstance(model, nn.Module):
         raise PlanError(

@@ -64,6 +64,31 @@ def fsdp_options(config: Config) -> dict[str, Any]:
     return options
 
 
+def _model_class(config: Config) -> tuple[Any, str]:
+    """The row's model class and its reference kind (see ``_matrix.MODELS``): a reference
+    model, or a user's ``package.module:callable`` as a ``UserModel`` (DDP reference)."""
+    from fsdp_testing import models
+    from fsdp_testing.models.user import UserModel, load_factory
+
+    from ._plan_args import parse_input_shape, parse_model
+
+    if config.model in MODELS:
+        class_name, reference = MODELS[config.model]
+        return getattr(models, class_name), reference
+    spec = parse_model(config.model)
+    option = f"--model {config.model}"
+    factory = load_factory(spec.module or "", spec.attribute or "", option=option)
+    inputs = [parse_input_shape(text) for text in config.inputs]
+    model_class = UserModel.for_factory(
+        factory,
+        name=config.model,
+        kwargs=dict(spec.kwargs),
+        inputs=[(i.shape, i.dtype) for i in inputs],
+        units=config.units,
+    )
+    return model_class, "ddp"
+
+
 class TrainingSetup:
     """The lockstep trainer of one row (its sharded model, reference and optimizers); ``trace``
     drives the sharded model alone.
@@ -80,7 +105,7 @@ class TrainingSetup:
         from fsdp_testing.engines import resolve_engine
         from fsdp_testing.parity import Lockstep
 
-        class_name, reference = MODELS[config.model]
+        model_class, reference = _model_class(config)
         self.device = ctx.device
         self.engine: Any = resolve_engine(config.engine)
         self.mesh: Any = None
@@ -88,7 +113,7 @@ class TrainingSetup:
             self.mesh = hybrid_mesh(torch.device(ctx.device).type)
             self.engine = MeshEngine(self.engine, self.mesh)
         self.lockstep = Lockstep.build(
-            getattr(models, class_name),
+            model_class,
             process_group=ctx.process_group,
             engine=self.engine,
             fsdp_kwargs=fsdp_options(config),

@@ -9,6 +9,7 @@ status is 1 if any row mismatches or errors, so CI can run it as is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -39,6 +40,12 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "run", "run_matrix"]
 
 
+_NAMED_HELP = {
+    "engine": "; or module:attribute naming an engine",
+    "model": "; or package.module:callable[:k=v,...] returning an nn.Module",
+}
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "check",
@@ -51,8 +58,21 @@ def add_parser(subparsers: Any) -> None:
             default=",".join(DEFAULTS[axis]),
             metavar="A,B",
             help=f"values: {', '.join(values)}, all (default: {','.join(DEFAULTS[axis])})"
-            + ("; or module:attribute naming an engine" if axis == "engine" else ""),
+            + _NAMED_HELP.get(axis, ""),
         )
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="SHAPE[:DTYPE]",
+        help="package.module:callable models without get_input: one positional input, e.g. "
+        "8,1024 or 8,512:int64 (repeat for several)",
+    )
+    parser.add_argument(
+        "--wrap",
+        metavar="CLASS,...",
+        help="package.module:callable models: module classes that become units (default: "
+        "the root only)",
+    )
     parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per row (default 3)")
     parser.add_argument(
@@ -90,7 +110,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"fsdp-testing check: {error}", file=sys.stderr)
         return 2
-    configs = build_matrix(selection)
+    try:
+        user_models = _validate_user_models(selection["model"], args)
+    except ValueError as error:
+        print(f"fsdp-testing check: {error}", file=sys.stderr)
+        return 2
+    configs = [
+        dataclasses.replace(
+            c,
+            inputs=tuple(args.input_shape or ()),
+            units=tuple(w.strip() for w in (args.wrap or "").split(",") if w.strip()),
+        )
+        if c.model in user_models
+        else c
+        for c in build_matrix(selection)
+    ]
     console = make_console()
     worlds = sorted({row_world_size(c, args.world_size) for c in configs})
     hybrid = [c for c in configs if c.hybrid]
@@ -130,6 +164,50 @@ def run(args: argparse.Namespace) -> int:
         print("fsdp-testing check: no configuration could run", file=sys.stderr)
         return 1
     return 1 if any(r.failed for r in rows) else 0
+
+
+def _validate_user_models(models: tuple[str, ...], args: argparse.Namespace) -> set[str]:
+    """The user's models among ``--model`` values (``package.module:callable``), checked in
+    this process (importable, an ``nn.Module``, inputs given or its own ``get_input``), so a
+    mistake is an option error rather than a failed row.
+
+    Raises:
+        ValueError: the message names the option, the value and the fix.
+    """
+    import torch.nn as nn
+
+    from fsdp_testing.models.user import load_factory
+
+    from ._matrix import MODELS
+    from ._plan_args import parse_input_shape, parse_model
+
+    inputs = [parse_input_shape(text) for text in args.input_shape or ()]
+    user = {m for m in models if m not in MODELS}
+    if not user and (args.input_shape or args.wrap):
+        given = "--input-shape" if args.input_shape else "--wrap"
+        raise ValueError(
+            f"{given} is for --model package.module:callable; reference models make their own "
+            "units and inputs"
+        )
+    for text in sorted(user):
+        spec = parse_model(text)
+        factory = load_factory(spec.module or "", spec.attribute or "", option=f"--model {text}")
+        module = factory(**dict(spec.kwargs))
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"--model {text}: {spec.attribute}() returned {type(module).__name__}, not an "
+                "nn.Module"
+            )
+        has_workload = all(
+            callable(getattr(module, m, None)) for m in ("get_input", "get_loss", "run_backward")
+        )
+        if not has_workload and not inputs:
+            raise ValueError(
+                f"--model {text}: the model has no get_input(device); give its inputs with "
+                "--input-shape (once per positional input), e.g. --input-shape 8,1024 or "
+                "8,512:int64"
+            )
+    return user
 
 
 def run_matrix(
