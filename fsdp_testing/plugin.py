@@ -315,7 +315,11 @@ _sent_key = pytest.StashKey["Any"]()
 def pytest_runtest_setup(item: pytest.Item) -> Any:
     spec = _spec_of(item)
     if spec is None:
-        return (yield)
+        try:
+            return (yield)
+        except ValueError as exc:
+            _explain_no_group(item, exc)
+            raise
     from fsdp_testing.launcher import UnavailableBackend, resolve_backend
 
     try:
@@ -353,6 +357,27 @@ def _send_ahead(item: pytest.Item, spec: DistSpec) -> None:
     sent = send_ahead(task, spec, config.stash[_settings_key])
     if sent is not None:
         item.stash[_sent_key] = sent
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    try:
+        return (yield)
+    except ValueError as exc:
+        if _spec_of(item) is None:
+            _explain_no_group(item, exc)
+        raise
+
+
+def _explain_no_group(item: pytest.Item, exc: ValueError) -> None:
+    """A test that is not distributed called ``torch.distributed`` with no process group: raise
+    an error naming the marker and the fixture (nothing else is changed). See
+    ``fsdp_testing/_no_group.py``."""
+    from fsdp_testing._no_group import explain
+
+    error = explain(exc, item.nodeid)
+    if error is not None:
+        raise error from None
 
 
 @pytest.hookimpl(tryfirst=True)
