@@ -163,16 +163,19 @@ def test_a_hang_names_the_rank_the_others_wait_for_with_its_node() -> None:
     obs.records[2] = []
     message = judge(obs).message
     lines = message.splitlines()
-    assert lines[0] == "timed out after 4 s: ranks 0, 1, 2 still running (of world size 3)"
+    assert lines[0] == (
+        "timed out after 4 s: ranks 0-2 (nodes 0, 1) still running (of world size 3)"
+    )
     assert lines[1] == (
         "rank 2 (node 1, local rank 0) hangs: it never entered all_reduce #1, which ranks 0, 1 "
-        "wait in"
+        "(node 0) wait in"
     )
     assert (
-        "rank 0 (node 0, local rank 0) waits in all_reduce #1 but rank 2 (node 1, local rank 0) "
-        "never entered it" in message
+        "ranks 0, 1 (node 0) wait in all_reduce #1 but rank 2 (node 1, local rank 0) never "
+        "entered it" in message
     )
-    assert "[rank 2 (node 1, local rank 0)] stack when the timeout hit:" in message
+    # No rank sent a stack: the three "(none)" are one entry.
+    assert "[ranks 0-2 (3 of 3) (nodes 0, 1)] stack when the timeout hit:" in message
 
 
 def test_a_remote_ranks_stack_shows_the_source_lines_read_on_its_node() -> None:
