@@ -192,7 +192,13 @@ def _validate_user_models(models: tuple[str, ...], args: argparse.Namespace) -> 
     for text in sorted(user):
         spec = parse_model(text)
         factory = load_factory(spec.module or "", spec.attribute or "", option=f"--model {text}")
-        module = factory(**dict(spec.kwargs))
+        try:
+            module = factory(**dict(spec.kwargs))
+        except TypeError as error:
+            raise ValueError(
+                f"--model {text}: calling {spec.attribute}() failed ({error}); give a callable "
+                "that builds the model from size arguments only (package.module:callable:k=v)"
+            ) from None
         if not isinstance(module, nn.Module):
             raise ValueError(
                 f"--model {text}: {spec.attribute}() returned {type(module).__name__}, not an "
