@@ -46,9 +46,11 @@ step() {  # step NAME LIMIT_S ARGS...
 nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
-step cuda 120 tests/core/test_cuda.py -v
-step core-nccl 180 tests/core -n "$workers" --dist loadfile --dist-backend nccl -q
+# The limits can be shortened for a device session with little time: GPU_LIMITS="cuda core suite".
+read -r cuda_s core_s suite_s <<<"${GPU_LIMITS:-120 180 420}"
+step cuda "$cuda_s" tests/core/test_cuda.py -v
+step core-nccl "$core_s" tests/core -n "$workers" --dist loadfile --dist-backend nccl -q
 # -v: each test's outcome is in the log as it ends, so a step stopped at its limit still names
 # its failures (an H100 machine with 14 workers ran 99% of the suite in 290 s).
-step suite 420 tests -n "$workers" --dist loadfile -v
+step suite "$suite_s" tests -n "$workers" --dist loadfile -v
 exit "$failed"
