@@ -62,16 +62,17 @@ def installed() -> Iterator[None]:
     _fresh_threaded_group_state()
     mtpg._install_threaded_pg()
     torch_barrier = mtpg._store_based_barrier  # see [Note: the threaded group's barrier]
-    torch_start, torch_end = group.__dict__["_start_coll"], group.__dict__["_end_coll"]
+    torch_methods = {name: group.__dict__[name] for name in ("_start_coll", "_end_coll", "barrier")}
     mtpg._store_based_barrier = _threaded_group_barrier
     group._start_coll = classmethod(_start_collective)  # type: ignore[assignment]
     group._end_coll = classmethod(_end_collective)  # type: ignore[assignment]
+    group.barrier = _barrier  # type: ignore[method-assign]
     try:
         yield
     finally:
         # Never blocks: see [Note: stopping rank threads].
-        group._start_coll = torch_start  # type: ignore[method-assign]
-        group._end_coll = torch_end  # type: ignore[method-assign]
+        for name, method in torch_methods.items():
+            setattr(group, name, method)
         mtpg._store_based_barrier = torch_barrier
         _fresh_threaded_group_state()
         mtpg._uninstall_threaded_pg()
@@ -253,6 +254,24 @@ def _start_collective(cls: Any, op: Any, pg: Any) -> _Arrival:
     return _Arrival(collective, collective.fsdp_testing_calls, members[pg.rank()], op)
 
 
+class _Barrier:
+    """A barrier's operation: nothing to move once every rank arrived."""
+
+    def work(self, data: Any) -> None:
+        pass
+
+
+def _barrier(pg: Any, opts: Any = None) -> Any:
+    """Thread mode's ``ProcessLocalGroup.barrier``: a collective of its own, described as
+    ``barrier()``. (torch's all-reduces ``torch.ones(1)`` in the default dtype, which differs
+    between ranks once each rank has its own, and matches any rank's all-reduce of one
+    element.)"""
+    arrival = pg._start_coll(_Barrier(), pg)
+    work = arrival.join(pg.rank(), [])
+    pg._end_coll(arrival, pg)
+    return work
+
+
 def _end_collective(cls: Any, arrival: Any, pg: Any) -> None:
     """Thread mode's ``ProcessLocalGroup._end_coll``: the first rank out forgets the
     collective, so the group's next call starts a new one."""
@@ -280,6 +299,8 @@ def _describe(op: Any, data: Any) -> str:
     """One rank's call of torch's threaded collective ``op`` on ``data``, as local mode
     describes its own (``collective_match.describe_call``)."""
     kind = type(op).__name__
+    if isinstance(op, _Barrier):
+        return "barrier()"
     if kind == "AllReduce":
         return describe_call("all_reduce", data, reduce_op_name(op.op))
     if kind == "Broadcast":

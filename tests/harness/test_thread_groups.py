@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,3 +65,26 @@ def test_torchs_barrier_is_back_after_a_thread_mode_run():
     )
     assert verdict.outcome == "passed", verdict.message
     assert mtpg._store_based_barrier is _store_based_barrier
+
+
+def test_a_rank_woken_in_torchs_collective_is_stopped_not_exited():
+    # torch's collectives leave a woken rank with sys.exit("Test termination event occurs."),
+    # which the report read as a body that called sys.exit: thread mode raises Aborted.
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    from fsdp_testing._launch.rank_threads import Aborted
+    from fsdp_testing._launch.thread_group import _Arrival, _Calls
+
+    class Woken:
+        def join(self, rank, data):
+            mtpg.ProcessLocalGroup._terminate = terminate
+            raise SystemExit("Test termination event occurs.")
+
+    terminate = threading.Event()
+    terminate.set()
+    saved = mtpg.ProcessLocalGroup._terminate
+    try:
+        with pytest.raises(Aborted):
+            _Arrival(Woken(), _Calls(1, 1, "the default group"), 0, None).join(0, [])
+    finally:
+        mtpg.ProcessLocalGroup._terminate = saved

@@ -1,0 +1,78 @@
+"""Thread mode's failure reports blame the rank whose call differs (issue 41): each rank's call
+of a collective is checked against its peers' before any data moves, as in local mode; a peer
+stopped in a collective is reported as stopped, never as a test body that called sys.exit. See
+[Note: thread mode's call check] in fsdp_testing/_launch/thread_group.py."""
+
+from __future__ import annotations
+
+import pytest
+
+MISMATCHES = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_other_shape(rank):
+    t = torch.zeros(5 if rank == 0 else 3)
+    dist.broadcast(t, src=0)
+
+@pytest.mark.distributed(world_size=3, mode="thread")
+def test_other_op_on_a_subgroup(rank):
+    group = dist.new_group([1, 2])
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 2:
+        dist.barrier(group=group)
+    elif rank == 1:
+        dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX, group=group)
+"""
+
+
+def test_the_report_names_what_each_rank_issued(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(MISMATCHES)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*mode='thread': the ranks issued different collectives as the 1st collective of "
+            "the default group: rank 0 issued broadcast(float32[[]5[]], src 0); rank 1 issued "
+            "broadcast(float32[[]3[]], src 0)*"
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*the ranks issued different collectives as the 1st collective of group '*' "
+            "(ranks [[]1, 2[]]): rank 1 issued all_reduce(float32[[]1[]], MAX); rank 2 issued "
+            "barrier()*"
+        ]
+    )
+    text = result.stdout.str()
+    assert "must match the size" not in text  # torch's error on rank 0, which blamed it
+    assert "sys.exit" not in text
+
+
+STOPPED_PEER = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_peer_fails_while_rank_waits(rank):
+    if rank == 0:
+        raise ValueError("rank zero broke")
+    dist.all_reduce(torch.ones(1))
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_matching_calls_still_work(rank):
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, src=1)
+    dist.barrier()
+    assert t.tolist() == [1.0, 1.0, 1.0]
+"""
+
+
+def test_a_stopped_peer_is_not_a_body_that_called_sys_exit(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(STOPPED_PEER)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*rank 0 failed: ValueError: rank zero broke*"])
+    text = result.stdout.str()
+    assert "Test termination event" not in text
+    assert "the test body called sys.exit" not in text
