@@ -107,3 +107,47 @@ def test_a_fault_for_a_rank_outside_the_world_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"world_size=2, so ranks are 0..1"):
         validate_for_mode((faults.kill(rank=2, at=1),), "process", 2)
+
+
+NEVER_FIRED = """
+import pytest, torch, torch.distributed as dist
+from fsdp_testing import faults
+
+@pytest.mark.distributed(world_size=2, faults=[faults.fail(rank=0, at=5)])
+def test_at_past_the_last_collective(rank):
+    dist.all_reduce(torch.ones(2))
+
+@pytest.mark.distributed(world_size=2, mode="thread", faults=[faults.hang(rank=1, at=1, op="broadcast")])
+def test_an_op_the_rank_never_issues(rank):
+    dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(2))
+
+@pytest.mark.distributed(world_size=2, mode="local")
+def test_inject_block_ends_first(rank):
+    with faults.inject(faults.delay(rank=1, at=2, ms=1)):
+        dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(2))
+
+@pytest.mark.distributed(world_size=2, mode="thread", faults=[faults.delay(rank=1, at=2, ms=1)])
+def test_a_fault_that_fires_passes(rank):
+    dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(2))
+"""
+
+
+def test_a_fault_that_never_fires_fails_naming_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(NEVER_FIRED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(failed=3, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 0 failed: FaultNeverFired: faults.fail(rank=0, at=5) never fired: rank 0 "
+            "issued 1 collective (all_reduce x1) in the test, so it never reached the fault's "
+            "collective. A fault that never fires tests nothing: use at=1..1.*",
+            "*rank 1 failed: FaultNeverFired: faults.hang(rank=1, at=1, op='broadcast') never "
+            "fired: rank 1 issued 2 collectives (all_reduce x2) in the test, 0 of them "
+            "broadcast*name an op the rank issues, or op=None.*",
+            "*rank 1 failed: FaultNeverFired: faults.delay(rank=1, at=2, ms=1) never fired: "
+            "rank 1 issued 1 collective (all_reduce x1) in the faults.inject block*",
+        ]
+    )
