@@ -7,6 +7,7 @@ distributed test runs.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 from typing import Any
@@ -127,6 +128,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "periodic: runs in CI only with TEST_WITH_PERIODIC (periodic)"
     )
+    # A collective in a test that is not distributed: see fsdp_testing/_report/no_group.py.
+    config.pluginmanager.register(importlib.import_module("fsdp_testing._report.no_group"))
     config.stash[_settings_key] = settings = _settings_from(config)
     _configure_cpu_world_size(config)
     if not config.option.help:
@@ -315,11 +318,7 @@ _sent_key = pytest.StashKey["Any"]()
 def pytest_runtest_setup(item: pytest.Item) -> Any:
     spec = _spec_of(item)
     if spec is None:
-        try:
-            return (yield)
-        except ValueError as exc:
-            _explain_no_group(item, exc)
-            raise
+        return (yield)
     from fsdp_testing.launcher import UnavailableBackend, resolve_backend
 
     try:
@@ -357,27 +356,6 @@ def _send_ahead(item: pytest.Item, spec: DistSpec) -> None:
     sent = send_ahead(task, spec, config.stash[_settings_key])
     if sent is not None:
         item.stash[_sent_key] = sent
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    try:
-        return (yield)
-    except ValueError as exc:
-        if _spec_of(item) is None:
-            _explain_no_group(item, exc)
-        raise
-
-
-def _explain_no_group(item: pytest.Item, exc: ValueError) -> None:
-    """A test that is not distributed called ``torch.distributed`` with no process group: raise
-    an error naming the marker and the fixture (nothing else is changed). See
-    ``fsdp_testing/_no_group.py``."""
-    from fsdp_testing._no_group import explain
-
-    error = explain(exc, item.nodeid)
-    if error is not None:
-        raise error from None
 
 
 @pytest.hookimpl(tryfirst=True)

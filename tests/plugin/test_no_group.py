@@ -1,7 +1,7 @@
 """A torch.distributed call in a test that is not distributed (issue 41): the error names the
 marker and the fixture that give a test a process group, not only torch's bare "Default process
 group has not been initialized"; a test that makes its own group, or expects torch's error, is
-left alone. See fsdp_testing/_no_group.py."""
+left alone. See fsdp_testing/_report/no_group.py."""
 
 from __future__ import annotations
 

@@ -2,19 +2,48 @@
 and fixture give the test a process group, instead of torch's bare "Default process group has
 not been initialized".
 
-Read only after such a call failed (the plugin looks at a test's ``ValueError`` on its way
-out), so ordinary tests pay nothing and a test that makes its own process group is never
-touched: its calls do not raise this. Nothing here imports torch.
+A plugin of its own (``plugin.py`` registers it): its hooks look at a test's ``ValueError``
+on its way out of setup or the call, so ordinary tests pay nothing, and a test that makes its
+own process group is never touched (its calls do not raise this). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Generator
 from types import TracebackType
+from typing import Any
 
-__all__ = ["explain"]
+import pytest
+
+__all__ = ["explain", "pytest_runtest_call", "pytest_runtest_setup"]
 
 _TORCH_SAYS = "Default process group has not been initialized"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, Any]:
+    try:
+        return (yield)
+    except ValueError as exc:
+        _raise_explained(item, exc)
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    try:
+        return (yield)
+    except ValueError as exc:
+        _raise_explained(item, exc)
+        raise
+
+
+def _raise_explained(item: pytest.Item, exc: ValueError) -> None:
+    if item.get_closest_marker("distributed") is None:
+        error = explain(exc, item.nodeid)
+        if error is not None:
+            raise error from None
 
 
 def explain(exc: BaseException, test: str) -> ValueError | None:
