@@ -191,6 +191,7 @@ def run_distributed(
     *,
     pool: bool | None = None,
     expect: ExpectedFailure | None = None,
+    limit: float | None = None,
 ) -> Verdict:
     """Run ``task`` on every rank that ``spec`` describes and judge the outcome.
 
@@ -201,9 +202,11 @@ def run_distributed(
         settings: session defaults.
         pool: override ``settings.pool`` for this task.
         expect: the failure the test expects (``fsdp_testing.faults.expect``), if any.
+        limit: an outer limit on the ranks' time, seconds from now (what pytest-timeout leaves
+            the test): the harness's deadline comes before it. None: no outer limit.
     """
     backend = resolve_backend(spec, settings.backend)
-    timeout = _timeout(spec, settings)
+    timeout = _timeout(spec, settings, limit)
     if spec.faults:
         from fsdp_testing.faults import validate_for_mode
 
@@ -229,8 +232,11 @@ def _judge(obs: Observation, expect: ExpectedFailure | None) -> Verdict:
     return verdict if expect is None else expect.judge(obs, verdict)
 
 
-def _timeout(spec: DistSpec, settings: LaunchSettings) -> float:
-    return spec.timeout if spec.timeout is not None else settings.timeout
+def _timeout(spec: DistSpec, settings: LaunchSettings, limit: float | None = None) -> float:
+    """The ranks' deadline: the marker's timeout, else the session's, and never past an outer
+    ``limit`` (see [Note: outer timeouts] in ``fsdp_testing/_integrations/timeouts.py``)."""
+    own = spec.timeout if spec.timeout is not None else settings.timeout
+    return own if limit is None else min(own, limit)
 
 
 @dataclasses.dataclass
@@ -244,7 +250,9 @@ class SentAhead:
         return _judge(self._launcher.finish(self._sent), expect)
 
 
-def send_ahead(task: Task, spec: DistSpec, settings: LaunchSettings) -> SentAhead | None:
+def send_ahead(
+    task: Task, spec: DistSpec, settings: LaunchSettings, *, limit: float | None = None
+) -> SentAhead | None:
     """Send a process-mode ``task`` to warm ranks now and judge it later; None (nothing sent)
     where ``run_distributed`` has to run it: other modes, no warm ranks ready for it, a job's
     ranks, fresh processes, faults. See [Note: a test sent at the end of its setup] in
@@ -260,7 +268,7 @@ def send_ahead(task: Task, spec: DistSpec, settings: LaunchSettings) -> SentAhea
         task,
         world_size=spec.world_size,
         backend=resolve_backend(spec, settings.backend),
-        timeout=_timeout(spec, settings),
+        timeout=_timeout(spec, settings, limit),
     )
     return None if sent is None else SentAhead(launcher, sent)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import sys
 from typing import Any
 
 import pytest
@@ -33,6 +34,9 @@ _engine_env_key = pytest.StashKey["str | None"]()
 _exit_status_key = pytest.StashKey[int]()
 # An item's DistSpec (None: not distributed), parsed once: setup, each fixture and the call ask.
 _spec_key = pytest.StashKey["DistSpec | None"]()
+# pytest-timeout's and faulthandler_timeout's timers (see [Note: outer timeouts]).
+_timeouts_key = pytest.StashKey["Any"]()
+_limit_note_key = pytest.StashKey[str]()
 _MISSING: Any = object()
 
 
@@ -137,7 +141,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
         set_session_settings(settings)
         _select_engine(config)
+        _export_coverage()  # before a job's helper slot starts
         _start_job(config)
+        from fsdp_testing._integrations import timeouts
+
+        config.stash[_timeouts_key] = timeouts.install(config)
+        if config.getoption("usepdb", False):
+            _enable_rank_post_mortems(config)
 
 
 # --- a launched job (torchrun, srun, a PyTorchJob): see docs/multinode.md -------------------
@@ -185,6 +195,79 @@ def _start_job(config: pytest.Config) -> None:
             f"fsdp_testing: could not reach the store of {job.describe()} at "
             f"{job.master_addr}:{job.master_port} (MASTER_ADDR:MASTER_PORT): {exc}"
         ) from None
+
+
+# --- other plugins: see docs/pytest-api.md, "With other plugins" ---------------------------
+
+
+def _export_coverage() -> None:
+    # See [Note: coverage on rank processes] in _integrations/rank_coverage.py; free when
+    # coverage.py is not imported.
+    if "coverage" in sys.modules:
+        from fsdp_testing._integrations import rank_coverage
+
+        rank_coverage.export_for_ranks()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # After pytest-cov's own pytest_sessionstart, which starts measuring an xdist worker.
+    _export_coverage()
+
+
+def _open_harness_window(item: pytest.Item, spec: DistSpec) -> float | None:
+    """The ranks are about to get ``item``: the outer limit on their time (None: none), with
+    the outer timers pushed back until :func:`_close_harness_window`. See [Note: outer
+    timeouts] in ``_integrations/timeouts.py``."""
+    bridge = item.config.stash.get(_timeouts_key, None)
+    if bridge is None:
+        return None
+    limit = bridge.limit(item)
+    bridge.before_harness(item)
+    if limit is None:
+        return None
+    own = spec.timeout if spec.timeout is not None else item.config.stash[_settings_key].timeout
+    if limit[0] < own:
+        item.stash[_limit_note_key] = f"the ranks' deadline, {limit[0]:g} s: {limit[1]}"
+    return limit[0]
+
+
+_pdb_dir_key = pytest.StashKey[str]()
+_rank_error_key = pytest.StashKey["tuple[int, BaseException]"]()
+
+
+def _enable_rank_post_mortems(config: pytest.Config) -> None:
+    """``--pdb``: see [Note: debugging a rank] in ``_integrations/debugging.py``."""
+    import tempfile
+
+    from fsdp_testing._integrations import debugging
+
+    debugging.enable_in_process()
+    folder = config.stash[_pdb_dir_key] = tempfile.mkdtemp(prefix="fsdp-testing-pdb-")
+    os.environ[debugging.ENV] = folder  # for the rank processes forked from now on
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_exception_interact(node: Any, call: pytest.CallInfo[Any], report: Any) -> None:
+    # Before pytest's --pdb: its post-mortem opens on the failing rank's frames.
+    if _pdb_dir_key not in node.config.stash or not isinstance(node, pytest.Item):
+        return
+    from fsdp_testing._integrations import debugging
+
+    write = node.config.pluginmanager.getplugin("terminalreporter").write_line
+    error = node.stash.get(_rank_error_key, None)
+    if error is not None:
+        del node.stash[_rank_error_key]
+        write(f"fsdp_testing: --pdb opens on rank {error[0]}'s frames (the first rank to fail)")
+        call.excinfo = pytest.ExceptionInfo.from_exception(error[1])
+    elif debugging.wait_for_rank_sessions(node.config.stash[_pdb_dir_key], write):
+        pytest.exit("Quitting debugger")
+
+
+def _close_harness_window(item: pytest.Item) -> None:
+    bridge = item.config.stash.get(_timeouts_key, None)
+    if bridge is not None:
+        bridge.after_harness(item)
 
 
 @pytest.hookimpl(trylast=True)
@@ -240,8 +323,6 @@ def _select_engine(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    import sys
-
     if _engine_env_key in config.stash:
         previous = config.stash[_engine_env_key]
         if previous is None:
@@ -254,6 +335,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # A session that never finished failed to configure: pytest exits with 4 then.
         launcher.finish_job(config.stash.get(_exit_status_key, pytest.ExitCode.USAGE_ERROR))
         launcher.shutdown()
+    if "fsdp_testing._integrations.rank_coverage" in sys.modules:
+        sys.modules["fsdp_testing._integrations.rank_coverage"].combine_into_session()
+    if _pdb_dir_key in config.stash:
+        import shutil
+
+        shutil.rmtree(config.stash[_pdb_dir_key], ignore_errors=True)
 
 
 def _marker_specs(node: Any) -> list[DistSpec] | None:
@@ -347,15 +434,21 @@ def _send_ahead(item: pytest.Item, spec: DistSpec) -> None:
         or item.get_closest_marker("no_dist_pool") is not None
     ):
         return
+    bridge = config.stash.get(_timeouts_key, None)
+    if bridge is not None and bridge.func_only_pending(item):
+        return  # pytest-timeout times the call only: its limit is known there
     try:
         task = _build_task(item, portable=True)
     except TypeError:
         return  # raised again by the call, where it belongs
     from fsdp_testing.launcher import send_ahead
 
-    sent = send_ahead(task, spec, config.stash[_settings_key])
+    limit = _open_harness_window(item, spec)
+    sent = send_ahead(task, spec, config.stash[_settings_key], limit=limit)
     if sent is not None:
         item.stash[_sent_key] = sent
+    else:
+        _close_harness_window(item)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -363,7 +456,10 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     sent = item.stash.get(_sent_key, None)
     if sent is not None:  # its call never came: see [Note: a test sent at the end of its setup]
         del item.stash[_sent_key]
-        sent.verdict()
+        try:
+            sent.verdict()
+        finally:
+            _close_harness_window(item)
 
 
 def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:
@@ -473,19 +569,36 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     from fsdp_testing.launcher import VerdictOutcome, get_launcher, run_distributed
 
     sent = pyfuncitem.stash.get(_sent_key, None)
-    if sent is not None:  # see [Note: a test sent at the end of its setup]
-        del pyfuncitem.stash[_sent_key]
-        verdict = sent.verdict(expect)
-    else:
-        portable = get_launcher(spec.mode).crosses_processes
-        fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
-        verdict = run_distributed(
-            _build_task(pyfuncitem, portable=portable),
-            spec,
-            pyfuncitem.config.stash[_settings_key],
-            pool=False if fresh else None,
-            expect=expect,
-        )
+    debugging = sys.modules.get("fsdp_testing._integrations.debugging")
+    if debugging is not None:
+        debugging.first_failure()  # forget an earlier test's
+        if _pdb_dir_key in pyfuncitem.config.stash and sent is None:
+            debugging.forget_sessions(pyfuncitem.config.stash[_pdb_dir_key])
+    try:
+        if sent is not None:  # see [Note: a test sent at the end of its setup]
+            del pyfuncitem.stash[_sent_key]
+            verdict = sent.verdict(expect)
+        else:
+            portable = get_launcher(spec.mode).crosses_processes
+            fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
+            task = _build_task(pyfuncitem, portable=portable)
+            verdict = run_distributed(
+                task,
+                spec,
+                pyfuncitem.config.stash[_settings_key],
+                pool=False if fresh else None,
+                expect=expect,
+                limit=_open_harness_window(pyfuncitem, spec),
+            )
+    finally:
+        _close_harness_window(pyfuncitem)
+    if debugging is not None and verdict.outcome is VerdictOutcome.FAILED:
+        error = debugging.first_failure()
+        if error is not None:
+            pyfuncitem.stash[_rank_error_key] = error
+    note = pyfuncitem.stash.get(_limit_note_key, None)
+    if note is not None and verdict.outcome is VerdictOutcome.FAILED:
+        verdict.message += f"\n\n({note})"
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome is VerdictOutcome.FAILED:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from fsdp_testing._integrations import debugging, rank_coverage
 from fsdp_testing._protocol import (
     ENGINE_ENV,
     GenerationSpec,
@@ -171,6 +172,9 @@ def serve(
     ``join`` makes the group (default: a ``FileStore`` in the generation's folder; a job across
     nodes joins through its ``TCPStore``, see ``job_slot.py``)."""
     die_with_parent()
+    # See [Note: coverage on rank processes] in ``_integrations/rank_coverage.py``.
+    rank_coverage.start_in_rank(rank)
+    debugging.serve_rank(spec.gen_dir)  # see [Note: debugging a rank]
     log_path = os.path.join(spec.gen_dir, f"rank{rank}.log")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log_fd, 1)
@@ -223,6 +227,7 @@ def serve(
         if not dist.is_initialized():
             result.needs_restart = True
         result.imported = imports.new()
+        rank_coverage.save_in_rank()  # before the parent, told of a failure, may kill this rank
         try:
             conn.send(result)
         except (OSError, pickle.PicklingError):

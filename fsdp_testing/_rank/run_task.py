@@ -9,6 +9,7 @@ import time
 import unittest
 from collections.abc import Iterator
 
+from fsdp_testing._integrations import debugging
 from fsdp_testing._protocol import FunctionRef, Outcome, RankFixture, RankResult, Task
 from fsdp_testing._rank.capture import CaptureRouter
 from fsdp_testing._rank.context import RankContext
@@ -110,6 +111,7 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
         result.outcome = Outcome.FAILED
         result.comm_error = _is_comm_error(exc)
         _record_failure(result, exc, task.tbstyle)
+        debugging.rank_failed(exc, ctx.rank)  # see [Note: debugging a rank]
         if isinstance(exc, KeyboardInterrupt):
             raise
     finally:
