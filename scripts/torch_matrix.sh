@@ -82,8 +82,10 @@ if [ ${#args[@]} -eq 0 ]; then
   args=(-n 2 --dist loadfile --no-loadscope-reorder)
 fi
 log=$venv/pytest.log
-cuda=$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)
-build=$("$py" -c 'import torch; print(f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build")' 2>/dev/null)
+# One import of torch (seconds on a loaded machine) for both: the GPUs it sees and its build.
+read -r cuda build < <("$py" -c 'import torch
+gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(gpus, f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build")' 2>/dev/null)
 say "torch $installed ($build), $cuda CUDA device(s); pytest ${args[*]} (log: $log)"
 start=$(date +%s)
 "$py" -m pytest -p no:cacheprovider "${args[@]}" 2>&1 | tee "$log"

@@ -75,7 +75,7 @@ def _mean_square(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def check_resume_parity(
     build_model: Callable[[], nn.Module],
     shard: Shard,
-    get_batch: Callable[[int], torch.Tensor],
+    get_batch: Callable[[int], Any],
     *,
     process_group: dist.ProcessGroup,
     checkpoint_dir: str | os.PathLike[str],
@@ -85,7 +85,7 @@ def check_resume_parity(
     save_after: int = 2,
     resume_shard: Shard | None = None,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _adamw,
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _mean_square,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _mean_square,
     tolerance: Tolerance = FP32_TOLERANCE,
     options: Any = None,
 ) -> ResumeReport:
@@ -97,7 +97,9 @@ def check_resume_parity(
         build_model: a new unsharded model, identical on every rank and every call.
         shard: ``shard(model, group)`` applies the engine (e.g. ``fsdp_core.FSDP`` or
             ``fully_shard`` on ``DeviceMesh.from_group(group, ...)``) and returns the model.
-        get_batch: the global batch of a step (rows divisible by both world sizes).
+        get_batch: the global batch of a step: a tensor, or a tuple, list or dict of tensors
+            with one row count (dim 0), divisible by both world sizes; each rank gets its
+            rows of every tensor.
         process_group: the launched group, at least ``max(from_world, to_world)`` ranks.
         checkpoint_dir: a directory every rank sees (``tmp_path``).
         from_world: ranks of the uninterrupted run.
@@ -106,8 +108,8 @@ def check_resume_parity(
         save_after: the checkpoint is taken after this many steps (default 2).
         resume_shard: the engine of the resumed run (default ``None``: ``shard``).
         make_optimizer: builds the optimizer (default AdamW, lr 1e-2, weight decay 0.01).
-        loss_fn: ``loss_fn(model, local_batch)``, a mean over the rows (default: mean square
-            of the output).
+        loss_fn: ``loss_fn(model, local_batch)``, a mean over the rows; ``local_batch`` has
+            ``get_batch``'s structure (default: mean square of ``model(local_batch)``).
         tolerance: for losses across different world sizes (default ``FP32_TOLERANCE``).
         options: the ``torch.distributed.checkpoint.state_dict.StateDictOptions`` of the
             saving and the loading calls (default ``None``: DCP's defaults, sharded values);
@@ -175,22 +177,58 @@ def _first_ranks(group: dist.ProcessGroup, n: int) -> dist.ProcessGroup | None:
     return sub if dist.get_rank(group) < n else None
 
 
-def _train_step(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-    batch: torch.Tensor,
-    group: dist.ProcessGroup,
-) -> float:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if batch.shape[0] % size:
+def _rows(batch: Any) -> set[int]:
+    if isinstance(batch, torch.Tensor):
+        return {batch.shape[0]} if batch.dim() else set()
+    if isinstance(batch, dict):
+        return set().union(*(_rows(v) for v in batch.values()))
+    if isinstance(batch, (list, tuple)):
+        return set().union(*(_rows(v) for v in batch))
+    return set()
+
+
+def _split(batch: Any, size: int, rank: int, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.chunk(size)[rank].to(device) if batch.dim() else batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _split(v, size, rank, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        parts = [_split(v, size, rank, device) for v in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+    return batch
+
+
+def _local_rows(batch: Any, size: int, rank: int, device: torch.device) -> Any:
+    """This rank's rows of every tensor of the global batch (a tensor, or tuples, lists and
+    dicts of them; other values are passed as they are)."""
+    rows = _rows(batch)
+    if len(rows) != 1:
+        found = "no tensor with rows" if not rows else f"tensors of {sorted(rows)} rows"
         raise ValueError(
-            f"check_resume_parity: the global batch has {batch.shape[0]} rows, which {size} "
+            f"check_resume_parity: get_batch returned {type(batch).__name__} with {found}; "
+            "return the global batch as a tensor, or a tuple, list or dict of tensors with one "
+            "row count (dim 0), which the ranks split."
+        )
+    (count,) = rows
+    if count % size:
+        raise ValueError(
+            f"check_resume_parity: the global batch has {count} rows, which {size} "
             "ranks cannot split evenly; return a row count divisible by both world sizes "
             "(12 serves 2, 3 and 4)."
         )
+    return _split(batch, size, rank, device)
+
+
+def _train_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    group: dist.ProcessGroup,
+) -> float:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     device = next(iter(model.parameters())).device
-    loss = loss_fn(model, batch.chunk(size)[rank].to(device))
+    loss = loss_fn(model, _local_rows(batch, size, rank, device))
     loss.backward()
     optim.step()
     optim.zero_grad()

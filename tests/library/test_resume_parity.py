@@ -114,3 +114,40 @@ def test_resume_parity_rejects_bad_arguments(process_group, tmp_path):
             to_world=1,
             **kwargs,
         )
+    with pytest.raises(ValueError, match=r"tensors of \[4, 12\] rows"):
+        check_resume_parity(
+            _build,
+            _core_wrapper,
+            lambda step: (_batch(step), torch.zeros(4)),
+            from_world=2,
+            to_world=1,
+            **kwargs,
+        )
+
+
+@pytest.mark.distributed(world_size=2)
+def test_resume_parity_splits_a_structured_batch(process_group, tmp_path):
+    """A batch of any structure (here a dict with an input and a target): every tensor's rows
+    are split over the ranks, and loss_fn gets the rank's rows in the same structure."""
+
+    def get_batch(step):
+        x = _batch(step)
+        return {"x": x, "y": x[:, :5] * 2, "note": "kept"}
+
+    def loss_fn(model, batch):
+        assert batch["note"] == "kept" and batch["x"].shape[0] == batch["y"].shape[0]
+        return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+    report = check_resume_parity(
+        _build,
+        _core_wrapper,
+        get_batch,
+        process_group=process_group,
+        checkpoint_dir=tmp_path,
+        from_world=2,
+        to_world=1,
+        num_steps=3,
+        save_after=1,
+        loss_fn=loss_fn,
+    )
+    assert len(report.resumed_losses) == 2
