@@ -60,6 +60,17 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+@pytest.fixture(autouse=True)
+def _child_sessions_without_randomly(request: pytest.FixtureRequest) -> None:
+    # pytest-randomly (in the test extra) would shuffle and reseed the child sessions that
+    # pytester runs, in process or not (pytester clears PYTEST_ADDOPTS as it starts: this comes
+    # after). The tests of how the plugin plays with it pass `-p randomly`, which comes later
+    # on the command line and wins.
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")
+        request.getfixturevalue("monkeypatch").setenv("PYTEST_ADDOPTS", "-p no:randomly")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Whole files move, each keeping its own order (its module-scoped fixtures rely on it).
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
