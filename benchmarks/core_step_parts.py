@@ -40,7 +40,7 @@ PARTS = (
     ("fsdp_core._runtime", "FSDPState", "pre_forward"),
     ("fsdp_core._runtime", "FSDPState", "post_forward"),
     ("fsdp_core._runtime", "FSDPState", "_pre_backward_hook"),
-    ("fsdp_core._runtime", "FSDPState", "_post_backward"),
+    ("fsdp_core._runtime", "FSDPState", "post_backward"),
     ("fsdp_core._runtime", "FSDPState", "_final_callback"),
     ("fsdp_core._runtime", "FSDPState", "_prefetch"),
     ("fsdp_core._unit", "FSDPUnit", "unshard"),

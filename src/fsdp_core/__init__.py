@@ -23,7 +23,8 @@ The engine both doors share:
 - ``_wrapper``: what the wrapper door uses beside the engine: argument checks and groups
   (``args``), ``summon_full_params`` (``full_params``), gradient norm clipping (``clip_grad``).
 - ``_groups``: a unit's process groups (shard, replicate, the hybrid grid).
-- ``_param``: one parameter moving between its local dim-0 shard and its unsharded form.
+- ``_param``: one parameter moving between its local dim-0 shard and its unsharded form
+  (shown as a ``DTensor`` of a ``_dtensor_layout.DTensorLayout``).
 - ``_unit``: ``FSDPUnit``, the parameters of one fully sharded module, with one all-gather per
   unshard and one gradient reduction per backward.
 - ``_reduce``: a unit's gradient reduction over its groups (reduce-scatter, then all-reduce
@@ -36,7 +37,8 @@ The engine both doors share:
 - ``_exec_order``: the recorded forward order, prefetch targets, cross-rank order validation.
 - ``_order_check``: the order tag every unit collective carries in its payload, compared after
   it (a divergence in any iteration raises on every rank, with no extra collective).
-- ``_runtime``: ``FSDPState``, root lazy init and the forward/backward hooks.
+- ``_runtime``: ``FSDPState``, the forward/backward hooks; ``_root``: what only a root does
+  (lazy init, the end of a backward iteration).
 - ``_state_dict``: state dicts: full (``full``), sharded (``DTensor``) and local (``sharded``),
   the ``state_dict_type`` settings and the save/load dispatch on them (``settings``), optimizer
   state dicts keyed by parameter name (``optim``).

@@ -1,4 +1,5 @@
-"""Per-instance runtime: root lazy init, forward and backward hooks, prefetching.
+"""Per-instance runtime: forward and backward hooks, prefetching (what only a root does, its
+lazy init and the end of a backward iteration, is in ``_root``).
 
 An :class:`FSDPState` drives one :class:`~fsdp_core._unit.FSDPUnit` (or none, when the module
 owns no parameters) through a training step. The front door calls :meth:`FSDPState.pre_forward`
@@ -15,17 +16,9 @@ switches both off. Everything in backward is driven by autograd hooks the state 
 - a final callback, queued by the root on the first pre-backward, reduces what is left (units
   with unused parameters), reshards every unit, and checks that all of them are idle.
 
-[Note: manual backward finalization]
-With ``set_manual_backward_finalization(True)`` on the root (FSDP2's mode for pipeline
-schedules that treat gradient reduction as an action of its own), the final callback of each
-backward reduces nothing that is left and waits for nothing: units whose gradients are still
-unreduced (unused parameters, or gradients accumulated with ``set_requires_gradient_sync(False)``)
-stay so, and the caller's ``finalize_backward()`` later reduces them (in the same order on
-every rank: ``all_states`` reversed), reshards what is still unsharded, waits for the
-reductions in flight and checks that every unit is idle. ``finalize_backward(async_op=True)``
-leaves that wait to the ``GradientReductionHandle`` it returns; until it is waited on, a
-forward or another finalization raises. The mode is read when a backward starts and holds
-until the iteration is finalized (or ``reset_iter_state``).
+With ``set_manual_backward_finalization(True)`` the final callback leaves the rest to the
+caller's ``finalize_backward()``: see [Note: manual backward finalization] in ``_root``, which
+also holds the root's lazy init and the end of each backward iteration.
 
 Inside ``no_sync`` (``sync_gradients`` is ``False`` on every state) units reshard after their
 backward as usual but keep their unsharded gradients, which autograd keeps accumulating into;
@@ -46,13 +39,11 @@ from torch.utils import _pytree as pytree
 from . import events
 from ._config import RuntimeConfig
 from ._exec_order import ExecOrder
-from ._offload import validate_offloaded_devices
 from ._overlap import CpuOverlap
 from ._param import ShardedParam
 from ._precision import BufferSlot, cast_floating_tensors
-from ._replaced import adopt_at_lazy_init, refuse_unowned_shared
-from ._staging import StagingBuffers
-from ._streams import CudaStreams, uses_streams
+from ._root import end_backward_iteration, init_root
+from ._streams import CudaStreams
 from ._unit import FSDPUnit
 from .api import BackwardPrefetch, TrainingState, default_state_dict_settings
 
@@ -151,7 +142,7 @@ class FSDPState:
         # Whether the last forward's outputs carry a pre-backward hook (some output requires
         # grad); a unit without one never runs backward, so backward prefetch skips it.
         self._expects_backward = False
-        self._final_callback_queued = False  # root only
+        self.final_callback_queued = False  # root only
         self._hooked_params: set[ShardedParam] = set()  # with a post-accumulate-grad hook
         self.tag_collectives = True  # order tags; off: ``fsdp_core.debug.set_order_check``
         self.unshard_in_backward = True  # False: backward needs no parameters (embeddings)
@@ -175,7 +166,7 @@ class FSDPState:
     def _rank(self) -> int:
         return dist.get_rank()
 
-    def _assert_state(self, *expected: TrainingState) -> None:
+    def assert_state(self, *expected: TrainingState) -> None:
         if self.training_state not in expected:
             raise AssertionError(
                 f"[rank {self._rank}] FSDP instance {self.fqn!r} is in {self.training_state}, "
@@ -184,70 +175,14 @@ class FSDPState:
 
     # ------------------------------------------------------------------ root lazy init
     def _lazy_init(self) -> None:
-        """Make this state the root of every FSDP state under its owner (done once)."""
+        """Make this state the root of every FSDP state under its owner (done once); see
+        ``_root.init_root``."""
+        named: list[tuple[str, FSDPState]] = []
         for name, module in self.owner.named_modules():
             state = state_of(module)
-            if state is not None and state is not self and state.manual_backward_finalization:
-                raise RuntimeError(
-                    f"set_manual_backward_finalization must be called on the root FSDP module, "
-                    f"not on {name!r}: call it on the module the first forward runs through."
-                )
-        self.is_root = True
-        self.root = self
-        states: list[FSDPState] = []
-        for name, module in self.owner.named_modules():
-            state = state_of(module)
-            if state is None or state in states:
-                continue
-            if state is not self and state.is_root:
-                raise AssertionError(
-                    f"[rank {self._rank}] FSDP instance {name!r} already ran as a root before "
-                    "its parent's first forward"
-                )
-            state.is_root = state is self
-            state.root = self
-            state.fqn = clean_fqn(name)
-            if state is self and not self.config.reshard_root_after_forward and self.unit:
-                self.unit.post_forward = None  # the root keeps its parameters after forward
-            if state.unit is not None:
-                state.unit.name = state.fqn
-            states.append(state)
-        self.all_states = states
-        order: ExecOrder[FSDPState] = ExecOrder(states)
-        for index, state in enumerate(states):
-            state.exec_order = order
-            if state.unit is not None and state.tag_collectives:
-                # See [Note: order check].
-                state.unit.order_tags = order.checker.for_unit(index)
-        # See [Note: replaced parameters] in _replaced (the offload check sees adopted ones).
-        adopt_at_lazy_init(
-            [(s.fqn, s.unit, s.config.api) for s in states if s.unit is not None],
-            check=lambda: validate_offloaded_devices([s.unit for s in states if s.unit]),
-        )
-        refuse_unowned_shared(self.owner)
-        for state in states:
-            buffer_dtype = state.config.buffer_dtype
-            if buffer_dtype is not None:
-                for slot in state.buffers:
-                    slot.cast(buffer_dtype)
-        units = [s.unit for s in states if s.unit is not None]
-        pending = max((u.reduce_scatter_max_input_buffers for u in units), default=1)
-        cuda = [u.device for u in units if uses_streams(u.device)]
-        if cuda:
-            # See [Note: streams and events]; one set per root, shared by its units.
-            shared = self.share_streams_with
-            shared_streams = shared.streams if shared is not None else None
-            self.streams = shared_streams or CudaStreams(cuda[0])
-            self.streams.max_pending_reduces = max(self.streams.max_pending_reduces, pending)
-            for unit in units:
-                unit.streams = self.streams
-        else:  # see [Note: overlap on the CPU] in _overlap, [Note: staging buffers on the CPU]
-            self.cpu_overlap.max_pending_reduces = pending
-            staging = StagingBuffers()
-            for state in states:
-                if state.unit is not None:
-                    state.unit.staging = staging
-                    state.unit.cpu_overlap = self.cpu_overlap if state.overlaps_on_cpu else None
+            if state is not None and all(state is not other for _, other in named):
+                named.append((clean_fqn(name), state))
+        init_root(self, named)
 
     def set_order_tags(self, enabled: bool) -> None:
         """Tag this unit's collectives (the default) or not; see ``fsdp_core.debug``."""
@@ -281,7 +216,7 @@ class FSDPState:
             if self.streams is not None:
                 self.streams.begin_iteration(self.post_optim_event)
             self.post_optim_event = None
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.FORWARD
         self._ran_pre_backward = self._expects_backward = False
         if self.unit is not None:
@@ -377,7 +312,7 @@ class FSDPState:
         self._ran_pre_backward = True
         root = self._root()
         root._queue_final_callback()
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self._unshard("backward")
@@ -414,14 +349,14 @@ class FSDPState:
                 # With ``reduce_unused_params`` the unit reduces in the final callback on every
                 # rank alike; see ``FSDPModule.set_reduce_scatter_unused_params``.
                 if this.unit.mark_grad_ready(p) and not this.unit.reduce_unused_params:
-                    this._post_backward()
+                    this.post_backward()
 
         return hook
 
-    def _post_backward(self, *, prefetch: bool = True) -> None:
+    def post_backward(self, *, prefetch: bool = True) -> None:
         if self.unit is None:
             return
-        self._assert_state(TrainingState.PRE_BACKWARD, TrainingState.IDLE)
+        self.assert_state(TrainingState.PRE_BACKWARD, TrainingState.IDLE)
         self.training_state = TrainingState.POST_BACKWARD
         if self.sync_gradients:
             self._order().validate(self, "reduce")
@@ -430,9 +365,9 @@ class FSDPState:
             self._prefetch(self._order().next_to_backward(self), "backward_prefetch")
 
     def _queue_final_callback(self) -> None:
-        if self._final_callback_queued:
+        if self.final_callback_queued:
             return
-        self._final_callback_queued = True
+        self.final_callback_queued = True
         if self.manual_finalization_active is None:
             self.manual_finalization_active = self.manual_backward_finalization
         Variable._execution_engine.queue_callback(self._final_callback)
@@ -441,27 +376,23 @@ class FSDPState:
         """Root only: finish the backward of every unit, then check that all are idle (with
         manual finalization, leave what is left to ``finalize_backward``: see [Note: manual
         backward finalization])."""
-        self._final_callback_queued = False
+        self.final_callback_queued = False
         manual = bool(self.manual_finalization_active)
         # Same order on every rank: the cached traversal, reversed.
         for state in reversed(self.all_states):
-            state._assert_state(*_BACKWARD_STATES)
-            unit = state.unit
-            if not manual and state._has_reduction_left():
+            state.assert_state(*_BACKWARD_STATES)
+            if not manual and state.has_reduction_left():
                 # Some parameter got no gradient in this backward (unused on this path).
-                state._post_backward(prefetch=False)
-            if unit is not None:
-                state._reshard_after_backward()
-            state.training_state = TrainingState.IDLE
-            state._ran_pre_backward = False
-            state._expects_backward = False
+                state.post_backward(prefetch=False)
+            state.end_backward()
+            state.make_idle()
         self._order().finish_iteration()
         if manual:
             self.backward_unfinalized = True
             return
-        self._end_backward_iteration()
+        end_backward_iteration(self)
 
-    def _has_reduction_left(self) -> bool:
+    def has_reduction_left(self) -> bool:
         """Whether this unit still has gradients to reduce in this backward."""
         unit = self.unit
         return (
@@ -470,7 +401,9 @@ class FSDPState:
             and (unit.has_pending_grads() or unit.reduce_unused_params)
         )
 
-    def _reshard_after_backward(self) -> None:
+    def end_backward(self) -> None:
+        """This unit's backward is over: reshard it if still unsharded (unless
+        ``reshard_after_backward`` is off) and forget the backward's bookkeeping."""
         unit = self.unit
         if unit is None:
             return
@@ -482,117 +415,10 @@ class FSDPState:
             unit.drop_post_forward()
         unit.reset_backward()
 
-    def _end_backward_iteration(self) -> None:
-        """Root only: wait for the reductions in flight and check that every unit is idle."""
-        self.cpu_overlap.flush()  # the reductions still in flight
-        if self.streams is not None and (self.is_last_backward or self.manual_finalization_active):
-            offload = any(s.unit is not None and s.unit.offload_params for s in self.all_states)
-            self.streams.end_backward(offload=offload)
-        self.manual_finalization_active = None
-        self.backward_unfinalized = False
-        self._check_idle()
-
-    # ------------------------------------------------------------------ manual finalization
-    def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """See ``FSDPModule.set_manual_backward_finalization``."""
-        if self.is_root is False:
-            raise RuntimeError(
-                f"set_manual_backward_finalization must be called on the root FSDP module, not "
-                f"on {self.fqn!r}."
-            )
-        if enabled != self.manual_backward_finalization and torch._C._current_graph_task_id() != -1:
-            raise RuntimeError(
-                "set_manual_backward_finalization cannot change mode during backward; call it "
-                "before forward."
-            )
-        active = self.manual_finalization_active
-        if active is not None and enabled != active:
-            raise RuntimeError(
-                "set_manual_backward_finalization cannot change mode after backward starts: "
-                "finalize the backward iteration (finalize_backward()) or reset_iter_state() "
-                "first."
-            )
-        self.manual_backward_finalization = enabled
-
-    def finalize_backward(self, *, wait: bool) -> None:
-        """Root only: reduce what is left, reshard, and (``wait``) end the backward iteration.
-        See [Note: manual backward finalization]."""
-        self._validate_finalize_backward()
-        for state in reversed(self.all_states):
-            if state._has_reduction_left():
-                state._post_backward(prefetch=False)
-            state._reshard_after_backward()
-            state.training_state = TrainingState.IDLE
-        if wait:
-            self._end_backward_iteration()
-
-    def _validate_finalize_backward(self) -> None:
-        if self.pending_reduction is not None:
-            raise RuntimeError(
-                "The previous gradient reduction must be waited on before finalizing backward "
-                "again: call wait() on the GradientReductionHandle."
-            )
-        if not self.is_root:
-            raise RuntimeError(
-                f"finalize_backward must be called on the root FSDP module, not on {self.fqn!r}."
-            )
-        manual = self.manual_finalization_active
-        if manual is None:
-            manual = self.manual_backward_finalization
-        if not manual:
-            raise RuntimeError(
-                "FSDP finalize_backward requires manual backward finalization. Call "
-                "set_manual_backward_finalization(True) before forward."
-            )
-        if self._final_callback_queued:
-            raise RuntimeError(
-                "FSDP finalize_backward must be called after backward completes, not inside it."
-            )
-        for state in self.all_states:
-            unit = state.unit
-            if unit is not None and unit.has_partial_reduction():
-                raise RuntimeError(
-                    "FSDP manual backward finalization does not support partial gradient "
-                    f"reductions for unit {state.fqn or '<root>'!r} (set_requires_all_reduce("
-                    "False)). Call set_requires_all_reduce(True) before the last backward, or "
-                    "use automatic backward finalization for this configuration."
-                )
-
-    def reset_iteration(self) -> None:
-        """Root only: after an exception in forward or backward, reshard every unit and make
-        every state idle. The failed step's gradients, also those kept by ``no_sync``, are
-        dropped; those reduced already stay (reductions in flight on the CPU finish)."""
-        if self.is_root is False:
-            raise RuntimeError(
-                f"reset_iter_state must be called on the root FSDP module, not {self.fqn!r}."
-            )
-        self.cpu_overlap.flush()  # as if each reduction had waited where it was issued
-        self.manual_finalization_active = None
-        self.backward_unfinalized = False
-        self.pending_reduction = None  # its handle's wait() now raises
-        for state in self.all_states or [self]:
-            unit = state.unit
-            if unit is not None:
-                unit.reshard("explicit")
-                unit.drop_unreduced_grads()
-                unit.reset_backward()
-            state.training_state = TrainingState.IDLE
-            state._ran_pre_backward = state._expects_backward = False
-        self._final_callback_queued = False
-
-    def _check_idle(self) -> None:
-        """Every unit must be resharded with its gradients reduced once a step ends."""
-        for state in self.all_states:
-            state._assert_state(TrainingState.IDLE)
-            unit = state.unit
-            pending = unit is not None and state.sync_gradients and unit.has_pending_grads()
-            unsharded = unit is not None and unit.is_unsharded and state.reshard_after_backward
-            if unit is not None and (unsharded or pending):
-                raise AssertionError(
-                    f"[rank {self._rank}] FSDP unit {state.fqn!r} is not idle after the step "
-                    f"(unsharded={unit.is_unsharded}, unreduced gradients="
-                    f"{unit.has_pending_grads()})"
-                )
+    def make_idle(self) -> None:
+        """Idle, with no backward under way (after a backward, or a reset)."""
+        self.training_state = TrainingState.IDLE
+        self._ran_pre_backward = self._expects_backward = False
 
     # ------------------------------------------------------------------ helpers
     def _unshard(self, reason: events.UnshardReason) -> None:

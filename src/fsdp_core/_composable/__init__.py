@@ -1,7 +1,9 @@
 """The composable door, torch FSDP2's names on fsdp_core's engine.
 
-By role: ``_api`` (the policies), ``_fsdp_module`` (``FSDPModule``'s methods, forward hooks,
-``UnshardHandle``, ``register_fsdp_forward_method``, ``share_comm_ctx``), ``_build`` (what
+By role: ``_api`` (the policies), ``_fsdp_module`` (``FSDPModule``'s methods,
+``register_fsdp_forward_method``, ``share_comm_ctx``), ``_comm_settings`` (``FSDPModule``'s
+base: its communication settings), ``_handles`` (``UnshardHandle``,
+``GradientReductionHandle``), ``_hooks`` (forward hooks), ``_build`` (what
 ``fully_shard`` and ``replicate`` share: argument checks, owned parameters, the unit, state
 and hooks), ``_fully_shard`` (``fully_shard``: its options and mesh), ``_replicate``
 (``replicate``: whole parameters, all-reduced gradients), ``_shared`` (parameters shared
@@ -9,14 +11,9 @@ across units).
 """
 
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_module import (
-    FSDPModule,
-    GradientReductionHandle,
-    UnshardHandle,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+from ._fsdp_module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
 from ._fully_shard import fully_shard
+from ._handles import GradientReductionHandle, UnshardHandle
 from ._replicate import replicate
 
 __all__ = [

@@ -1,36 +1,28 @@
-"""``FSDPModule``: the methods a ``fully_shard``-ed module gains, and torch FSDP2's helpers
-around them (``UnshardHandle``, ``register_fsdp_forward_method``, ``share_comm_ctx``)."""
+"""``FSDPModule``: the methods a ``fully_shard``-ed module gains (its scheduling: unshard and
+reshard, prefetch, gradient sync, backward finalization; the communication settings come from
+its base in ``_comm_settings``), and torch FSDP2's helpers around them
+(``register_fsdp_forward_method``, ``share_comm_ctx``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from .. import _collectives
-from .._collectives import (
-    AllGatherComm,
-    GroupAllocatedAllGather,
-    GroupAllocatedReduceScatter,
-    ReduceScatterComm,
-)
 from .._post_forward import PostForwardShards, post_forward_group
-from .._reduce import AllReduceHook
-from .._runtime import FSDPState, state_of, states_in
+from .._root import finalize_backward, reset_iteration, set_manual_backward_finalization
+from .._runtime import FSDPState
 from .._unit import FSDPUnit
+from ._comm_settings import FSDPCommSettings
+from ._handles import GradientReductionHandle, UnshardHandle
 from ._hooks import ForwardHooks
 
 __all__ = [
     "API_KEY",
     "FSDPModule",
-    "GradientReductionHandle",
-    "UnshardHandle",
     "api_of",
     "register_fsdp_forward_method",
     "resolve_reshard_after_forward",
@@ -47,56 +39,8 @@ def api_of(module: nn.Module) -> str:
     return str(module.__dict__.get(API_KEY, "fully_shard"))
 
 
-class UnshardHandle:
-    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` makes the unsharded
-    parameters usable on the current stream (on the CPU over gloo: waits for the all-gather;
-    see [Note: overlap on the CPU] in ``_overlap``)."""
-
-    def __init__(self, unit: FSDPUnit | None = None) -> None:
-        self._unit = unit
-
-    def wait(self) -> None:
-        """Wait for the all-gather and copy the parameters out (once)."""
-        if self._unit is not None:
-            self._unit.wait_for_unshard()
-            self._unit = None
-
-
-class GradientReductionHandle:
-    """What ``FSDPModule.finalize_backward(async_op=True)`` returns: ``wait()`` waits for the
-    gradient reductions finalization issued and ends the backward iteration (once). See
-    [Note: manual backward finalization] in ``_runtime``."""
-
-    def __init__(self, state: FSDPState | None = None) -> None:
-        self._state = state
-
-    def wait(self) -> None:
-        """Wait for the gradient reductions; afterwards the gradients may be read.
-
-        Raises:
-            RuntimeError: ``reset_iter_state()`` invalidated this handle.
-        """
-        state = self._state
-        if state is None:
-            return
-        if state.pending_reduction is not self:
-            raise RuntimeError(
-                "This gradient reduction handle was invalidated by reset_iter_state(); its "
-                "gradients were dropped."
-            )
-        state.pending_reduction = None
-        self._state = None
-        state._end_backward_iteration()
-
-
-class FSDPModule:
+class FSDPModule(FSDPCommSettings):
     """Mixed into the class of every module ``fully_shard`` was applied to."""
-
-    def _get_fsdp_state(self) -> FSDPState:
-        state = state_of(self)  # type: ignore[arg-type]
-        if state is None:
-            raise AssertionError("FSDPModule without an FSDP state")
-        return state
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's unit now, ahead of its forward.
@@ -220,134 +164,6 @@ class FSDPModule:
             if state.unit is not None:
                 state.unit.all_reduce_grads = bool(requires_all_reduce)
 
-    def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
-    ) -> None:
-        """Run ``hook(reduced)`` on this module's reduced gradient shard (1D, ``reduce_dtype``)
-        after the reduce-scatter, or after the all-reduce with a 2-D mesh, before it is added
-        to the ``.grad``s; it may change it in place (e.g. all-reduce it over replicas of its
-        own). Not recursive.
-
-        Args:
-            hook: ``hook(reduced) -> None``.
-            stream: a stream of the compute device to run it on (default ``None``: where the
-                reduction ran); not with a 2-D mesh, whose all-reduce stream runs it.
-        """
-        unit = self._get_fsdp_state().unit
-        if unit is None:
-            return
-        if stream is not None and unit.groups.replicate_size > 1:
-            raise ValueError("stream cannot be set when using native HSDP")
-        unit.all_reduce_hook = AllReduceHook(hook, stream)
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Reduce this module's gradients to their sum divided by ``factor`` instead of their
-        average over the data-parallel ranks (a factor of 1: the plain sum). Not recursive.
-
-        Args:
-            factor: a positive number.
-        """
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(
-                f"set_gradient_divide_factor takes a positive number, got {factor!r}; e.g. "
-                "the data-parallel world size for an average."
-            )
-        unit = self._get_fsdp_state().unit
-        if unit is not None:
-            unit.gradient_divide_factor = float(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for FSDP2's API: fsdp_core's collectives only ever sum (the division by
-        the world size or ``set_gradient_divide_factor`` happens before, on the input), so
-        there is no other reduction to switch off. Not recursive.
-
-        Args:
-            enable: whether only sum-type reductions may be used.
-        """
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
-        self._get_fsdp_state().force_sum_reduction_for_comms = enable
-
-    def set_reduce_scatter_max_input_buffers(
-        self, max_input_buffers: int, *, recurse: bool = True
-    ) -> None:
-        """How many gradient reduction inputs may be in flight at once on CUDA (default 1):
-        beyond that the compute stream waits for the oldest reduction before going on. The
-        units of one root share one pipeline, which takes the largest value set on them at
-        lazy init (the first forward). Scheduling only: the numbers do not change. On the CPU
-        reductions complete before backward goes on, so nothing is held.
-
-        Args:
-            max_input_buffers: a positive int.
-            recurse: also every ``FSDPModule`` below this one (default ``True``).
-        """
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(
-                "set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
-                f"{type(max_input_buffers).__name__}"
-            )
-        if max_input_buffers < 1:
-            raise ValueError(
-                "set_reduce_scatter_max_input_buffers: max_input_buffers must be a positive "
-                f"int, got {max_input_buffers}"
-            )
-        for state in self._states(recurse):
-            if state.unit is not None:
-                state.unit.reduce_scatter_max_input_buffers = max_input_buffers
-
-    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
-        """All-gather this module's parameters with ``comm`` (torch's ``AllGather``
-        interface: ``allocate`` makes the output buffer, calling it runs the collective); see
-        [Note: custom collectives] in ``_collectives``. Not recursive.
-
-        Args:
-            comm: the all-gather.
-        """
-        comm = _checked_comm("set_custom_all_gather", comm)
-        unit = self._get_fsdp_state().unit
-        if unit is not None:
-            unit.all_gather_comm = comm
-
-    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
-        """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter``
-        interface), as :meth:`set_custom_all_gather`. Not recursive.
-
-        Args:
-            comm: the reduce-scatter.
-        """
-        comm = _checked_comm("set_custom_reduce_scatter", comm)
-        unit = self._get_fsdp_state().unit
-        if unit is not None:
-            unit.reduce_scatter_comm = comm
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Allocate this module's all-gather and reduce-scatter buffers from the process
-        group's own allocator where its backend has one (NCCL memory registration), else as
-        usual; see [Note: custom collectives] in ``_collectives``. Raises ``AssertionError``
-        after :meth:`set_custom_all_gather` or :meth:`set_custom_reduce_scatter`, which choose
-        their own buffers (a custom comm set afterwards replaces this). Not recursive.
-
-        Args:
-            enable: whether to allocate from the process group.
-        """
-        unit = self._get_fsdp_state().unit
-        if unit is None:
-            return
-        defaults = (None, GroupAllocatedAllGather, GroupAllocatedReduceScatter)
-        for name, comm in (
-            ("all-gather", unit.all_gather_comm),
-            ("reduce-scatter", unit.reduce_scatter_comm),
-        ):
-            if comm is not None and type(comm) not in defaults:
-                raise AssertionError(
-                    "set_allocate_memory_from_process_group_for_comm: this module's "
-                    f"{name} is custom ({type(comm).__name__}), which allocates its own "
-                    "buffers; set one or the other."
-                )
-        group = unit.groups.shard
-        unit.all_gather_comm = GroupAllocatedAllGather(group) if enable else None
-        unit.reduce_scatter_comm = GroupAllocatedReduceScatter(group) if enable else None
-
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters (default ``True``); ``False`` skips
         the all-gather in backward where the gradients need no parameters (an embedding).
@@ -391,14 +207,14 @@ class FSDPModule:
         (unused parameters, gradients accumulated with ``set_requires_gradient_sync(False)``),
         reshards and waits. Supersedes :meth:`set_is_last_backward`. Call on the root,
         before forward; the mode cannot change while a backward iteration is unfinalized.
-        See [Note: manual backward finalization] in ``_runtime``.
+        See [Note: manual backward finalization] in ``_root``.
 
         Args:
             enabled: whether the caller finalizes backward.
         """
         if not isinstance(enabled, bool):
             raise TypeError(f"set_manual_backward_finalization takes a bool, got {enabled!r}.")
-        self._get_fsdp_state().set_manual_backward_finalization(enabled)
+        set_manual_backward_finalization(self._get_fsdp_state(), enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """Finish the backward iteration under manual finalization (see
@@ -416,9 +232,9 @@ class FSDPModule:
         if state.is_root is None:
             return GradientReductionHandle() if async_op else None
         if not async_op:
-            state.finalize_backward(wait=True)
+            finalize_backward(state, wait=True)
             return None
-        state.finalize_backward(wait=False)
+        finalize_backward(state, wait=False)
         handle = GradientReductionHandle(state)
         state.pending_reduction = handle
         return handle
@@ -455,80 +271,6 @@ class FSDPModule:
             if state.unit is not None:
                 state.unit.reduce_unused_params = bool(reduce_scatter_unused_params)
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated alias of :meth:`set_gradient_divide_factor` (as in torch), which it
-        calls after a ``DeprecationWarning`` (torch's category).
-
-        Args:
-            factor: a positive number.
-        """
-        warnings.warn(
-            "set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor "
-            "instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        self.set_gradient_divide_factor(factor)
-
-    def set_separate_reduce_scatter_group(
-        self, enable: bool = True, *, recurse: bool = True
-    ) -> None:
-        """Run the gradient reduce-scatter on a process group of its own over the same ranks
-        (``True``), so that it can progress alongside the all-gathers of backward instead of
-        queuing behind them on one communicator; ``False`` goes back to the shard group. One
-        group is made per set of shard ranks (``dist.new_group(ranks,
-        use_local_synchronization=True)``), so every rank of those groups must call this
-        alike. Same numbers either way.
-
-        Args:
-            enable: whether to use a group of its own (default ``True``).
-            recurse: also every ``FSDPModule`` below this one (default ``True``).
-        """
-        made: dict[tuple[int, ...], Any] = {}
-        for state in self._states(recurse):
-            unit = state.unit
-            if unit is None or unit.groups.shard is None or unit.shard_world == 1:
-                continue
-            if not enable:
-                unit.reduce_scatter_group = None
-                continue
-            ranks = tuple(dist.get_process_group_ranks(unit.groups.shard))
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            unit.reduce_scatter_group = made[ranks]
-
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Allocate this module's all-gather buffers (and, with
-        :meth:`set_force_sum_reduction_for_comms`, reduce-scatter buffers) from symmetric
-        memory (``torch.distributed._symmetric_memory``), for NCCL's symmetric-memory
-        collectives. Needs CUDA parameters, an NCCL process group and a torch with symmetric
-        memory; elsewhere it raises ``RuntimeError`` naming what is missing. Not with
-        :meth:`set_custom_all_gather`/:meth:`set_custom_reduce_scatter`. Not recursive.
-
-        Args:
-            backend: the symmetric memory backend; only ``"NCCL"`` (the default).
-        """
-        if backend != "NCCL":
-            raise ValueError(
-                f"set_symm_mem_for_comm: backend={backend!r} is not supported; only 'NCCL' is."
-            )
-        state = self._get_fsdp_state()
-        unit = state.unit
-        if unit is None:
-            return
-        for name, comm in (
-            ("all gather", unit.all_gather_comm),
-            ("reduce scatter", unit.reduce_scatter_comm),
-        ):
-            if comm is not None and not _collectives.is_default_comm(comm):
-                raise AssertionError(
-                    f"cannot call set_symm_mem() when {name} comm is custom: {type(comm).__name__}"
-                )
-        symm = _collectives.symm_mem_comms(unit.groups.shard, unit.device)
-        unit.all_gather_comm = symm.all_gather
-        if state.force_sum_reduction_for_comms:
-            unit.reduce_scatter_comm = symm.reduce_scatter
-
     def set_post_optim_event(self, event: Any) -> None:
         """Let the next forward's all-gathers wait on ``event`` (recorded after the optimizer
         step) instead of on the whole compute stream; used once. On the CPU, where nothing
@@ -547,14 +289,11 @@ class FSDPModule:
         parameters stay.
         """
         state = self._get_fsdp_state()
-        state.reset_iteration()
+        reset_iteration(state)
         for other in state.all_states or [state]:
             hooks = other.owner.__dict__.get("_fsdp_forward_hooks")
             if hooks is not None:
                 hooks.reset()
-
-    def _states(self, recurse: bool) -> list[FSDPState]:
-        return states_in(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty``/``to`` replace the sharded parameters: re-adopt them into the unit.
@@ -563,15 +302,6 @@ class FSDPModule:
         if unit is not None:
             unit.reset_sharded_params()
         return result
-
-
-def _checked_comm(api: str, comm: Any) -> Any:
-    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
-        raise TypeError(
-            f"{api}: expected an object with allocate(size, *, dtype, device) and __call__ "
-            f"(torch's AllGather/ReduceScatter interface), got {type(comm).__name__}."
-        )
-    return comm
 
 
 def resolve_reshard_after_forward(api: str, value: object, shard_world: int) -> bool | int:

@@ -3,14 +3,14 @@
 [Note: sharded state dict]
 ``SHARDED_STATE_DICT`` gives every parameter a unit owns as a ``DTensor`` under the unwrapped
 name, laid out like the sharded parameter itself (see [Note: the wrapper's DTensor parameters]
-in ``_param``): the local rows of the sharded parameter (sharing its storage, so ``dcp.load``
-into the dict writes the shards in place) with ``Shard(0)`` placement on a 1-D ``DeviceMesh``
-of the unit's shard group (``Replicate()`` on its replicate group for ``NO_SHARD``, both on a
-2-D mesh for hybrid sharding). The ``DTensor`` carries the global shape, so DCP
-(``torch.distributed.checkpoint``) can write it at one world size and read it back at another,
-and a checkpoint of the composable door (whose parameters are such ``DTensor``s already) loads
-into the wrapper and back. Buffers and ignored parameters are plain tensors (every rank holds
-the same), buffers in the dtype they had at wrap time.
+in ``_dtensor_layout``): the local rows of the sharded parameter (sharing its storage, so
+``dcp.load`` into the dict writes the shards in place) with ``Shard(0)`` placement on a 1-D
+``DeviceMesh`` of the unit's shard group (``Replicate()`` on its replicate group for
+``NO_SHARD``, both on a 2-D mesh for hybrid sharding). The ``DTensor`` carries the global shape,
+so DCP (``torch.distributed.checkpoint``) can write it at one world size and read it back at
+another, and a checkpoint of the composable door (whose parameters are such ``DTensor``s
+already) loads into the wrapper and back. Buffers and ignored parameters are plain tensors
+(every rank holds the same), buffers in the dtype they had at wrap time.
 
 Loading takes, per parameter, a ``DTensor`` laid out like the parameter (its local rows are
 copied into the shard), any other ``DTensor`` of the full shape (gathered with
