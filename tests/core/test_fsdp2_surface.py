@@ -2,11 +2,12 @@
 surface (``torch.distributed.fsdp.__all__``, ``FSDPModule``'s public methods and their
 parameters, the handles, the policy dataclasses' fields, ``fully_shard``'s and
 ``replicate``'s parameters). A new torch release that adds a name makes
-``test_fsdp_core_has_torchs_fsdp2_surface`` fail, naming each gap.
+``test_fsdp_core_has_torchs_fsdp2_surface`` fail, naming each gap; a name an older torch
+lacks (torch 2.11 has no ``DataParallelMeshDims``, 2.14 no ``GradientReductionHandle``) is
+simply not required.
 
 Run it under another torch with that torch's interpreter, e.g.
-``PYTHONPATH=.:src /work/torch-venvs/2.15.0/bin/python -m pytest -p fsdp_testing.plugin
-tests/core/test_fsdp2_surface.py``.
+``scripts/torch_matrix.sh 2.15.0 tests/core/test_fsdp2_surface.py``.
 """
 
 from __future__ import annotations
@@ -53,19 +54,22 @@ def surface(
     namespace: dict[str, Any], exported: list[str], replicate: Callable[..., Any] | None
 ) -> Surface:
     """The FSDP2 surface of one implementation: ``namespace`` maps the public names to its
-    objects, ``exported`` is its ``__all__``, ``replicate`` its FSDP2-style ``replicate``."""
+    objects, ``exported`` is its ``__all__``, ``replicate`` its FSDP2-style ``replicate``.
+    What ``namespace`` lacks is left out: a smaller surface, not an error."""
     found: Surface = {f"__all__: {name}": None for name in exported}
-    found.update(_methods(namespace["FSDPModule"], "FSDPModule"))
-    for handle in _HANDLES:
-        if handle in namespace:
-            found.update(_methods(namespace[handle], handle))
+    for cls_name in ("FSDPModule", *_HANDLES):
+        if cls_name in namespace:
+            found.update(_methods(namespace[cls_name], cls_name))
     for policy in _POLICIES:
+        if policy not in namespace:
+            continue
         cls = namespace[policy]
         found[f"{policy}(...)"] = _params(cls)
         for field in dataclasses.fields(cls):
             found[f"{policy}.{field.name}"] = None
     for function in _FUNCTIONS:
-        found[f"{function}(...)"] = _params(namespace[function])
+        if function in namespace:
+            found[f"{function}(...)"] = _params(namespace[function])
     if replicate is not None:
         found["replicate(...)"] = _params(replicate)
     return found
@@ -79,8 +83,16 @@ def torch_surface() -> Surface:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # a torch without FSDP2's replicate
         replicate = None
-    names = {name: getattr(torch_fsdp, name) for name in torch_fsdp.__all__}
-    return surface(names, list(torch_fsdp.__all__), replicate)
+    exported = list(getattr(torch_fsdp, "__all__", ()))
+    names = {name: getattr(torch_fsdp, name) for name in exported if hasattr(torch_fsdp, name)}
+    try:  # before 2.6, FSDP2's names lived only here
+        import torch.distributed._composable.fsdp as composable
+    except ImportError:
+        composable = None
+    for name in ("FSDPModule", *_HANDLES, *_POLICIES, *_FUNCTIONS):
+        if name not in names and hasattr(composable, name):
+            names[name] = getattr(composable, name)
+    return surface(names, exported, replicate)
 
 
 def fsdp_core_surface() -> Surface:
@@ -157,6 +169,35 @@ def test_the_comparison_names_each_gap():
         "replicate(...) parameter 'dp_mesh_dims' (keyword-only): missing",
     ]
     assert missing(theirs, theirs) == []
+
+
+def _fsdp_core_namespace(*, without: str = "") -> tuple[dict[str, Any], list[str]]:
+    exported = [name for name in fsdp_core.__all__ if name != without]
+    return {name: getattr(fsdp_core, name) for name in exported}, exported
+
+
+def test_a_name_torch_lacks_is_not_required():
+    """A torch without a name (torch 2.11 has no ``DataParallelMeshDims``) gives a smaller
+    surface, and fsdp_core having more is no gap."""
+    names, exported = _fsdp_core_namespace(without="DataParallelMeshDims")
+    older = surface(names, exported, fsdp_core.replicate)
+    assert not any("DataParallelMeshDims" in item for item in older)
+    assert "MixedPrecisionPolicy(...)" in older
+    assert missing(older, fsdp_core_surface()) == []
+
+
+def test_a_name_fsdp_core_lacks_is_named():
+    """The other way round the same name is a gap: fsdp_core without ``DataParallelMeshDims``
+    against a surface that has it names the export, the constructor and each field."""
+    names, exported = _fsdp_core_namespace(without="DataParallelMeshDims")
+    ours = surface(names, exported, fsdp_core.replicate)
+    gaps = missing(fsdp_core_surface(), ours)
+    assert "__all__: DataParallelMeshDims: missing" in gaps
+    assert any(gap.startswith("DataParallelMeshDims(...)(") for gap in gaps), gaps
+    fields = [f.name for f in dataclasses.fields(fsdp_core.DataParallelMeshDims)]
+    for field in fields:
+        assert f"DataParallelMeshDims.{field}: missing" in gaps
+    assert len(gaps) == 2 + len(fields), gaps
 
 
 def test_the_surface_sees_what_torch_has():
