@@ -79,12 +79,14 @@ def torch_surface() -> Surface:
     """The installed torch's FSDP2 surface."""
     import torch.distributed.fsdp as torch_fsdp
 
+    replicate: Callable[..., Any] | None
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # a torch without FSDP2's replicate
         replicate = None
     exported = list(getattr(torch_fsdp, "__all__", ()))
     names = {name: getattr(torch_fsdp, name) for name in exported if hasattr(torch_fsdp, name)}
+    composable: Any
     try:  # before 2.6, FSDP2's names lived only here
         import torch.distributed._composable.fsdp as composable
     except ImportError:
