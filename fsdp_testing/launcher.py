@@ -36,6 +36,7 @@ __all__ = [
     "VerdictOutcome",
     "finish_job",
     "get_launcher",
+    "last_observation",
     "resolve_backend",
     "run_distributed",
     "session_settings",
@@ -227,7 +228,18 @@ def run_distributed(
     return _judge(obs, expect)
 
 
+_last_observation: Observation | None = None
+
+
+def last_observation() -> Observation | None:
+    """What the launcher saw of the task judged last in this process: the plugin's per-rank
+    report properties (``fsdp_testing/_integrations/rank_properties.py``)."""
+    return _last_observation
+
+
 def _judge(obs: Observation, expect: ExpectedFailure | None) -> Verdict:
+    global _last_observation
+    _last_observation = obs
     verdict = judge(obs)
     return verdict if expect is None else expect.judge(obs, verdict)
 

@@ -209,10 +209,44 @@ def _export_coverage() -> None:
         rank_coverage.export_for_ranks()
 
 
+_seed_key = pytest.StashKey["int | None"]()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # After pytest-cov's own pytest_sessionstart, which starts measuring an xdist worker.
+    # After pytest-cov's own pytest_sessionstart, which starts measuring an xdist worker, and
+    # after pytest-randomly's pytest_configure, which settles its seed.
     _export_coverage()
+    from fsdp_testing._integrations import seeds
+
+    session.config.stash[_seed_key] = seeds.export_for_ranks(session.config)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    from fsdp_testing._integrations import seeds
+
+    seed = seeds.session_seed(config)  # the header comes before pytest_sessionstart
+    return None if seed is None else seeds.describe(seed)
+
+
+def _add_rank_properties(item: pytest.Function, failed: bool) -> None:
+    """Each rank's ending (and seed) as report properties: see [Note: per-rank properties] in
+    ``_integrations/rank_properties.py``."""
+    from fsdp_testing._integrations.rank_properties import rank_properties
+    from fsdp_testing.launcher import last_observation
+
+    obs = last_observation()
+    if obs is None:
+        return
+    seed = item.config.stash.get(_seed_key, None)
+    properties = rank_properties(obs, test_id=item.nodeid, seed=seed)
+    item.user_properties.extend(properties)
+    if failed and seed is not None:
+        item.add_report_section(
+            "call",
+            "per-rank seeds",
+            "".join(f"{name}: {value}\n" for name, value in properties if name.endswith("seed")),
+        )
 
 
 def _open_harness_window(item: pytest.Item, spec: DistSpec) -> float | None:
@@ -534,9 +568,18 @@ def _build_task(item: pytest.Function, *, portable: bool) -> Task:
         )
     if item.instance is not None:
         kwargs = {"self": item.instance, **kwargs}
+    from fsdp_testing._integrations.rank_properties import RECORDING_FIXTURES
+
     for name, value in kwargs.items():
         if isinstance(value, RankFixture):
             continue
+        if name in RECORDING_FIXTURES:
+            raise TypeError(
+                f"{item.nodeid}: {name} records into the pytest process's report and cannot be "
+                "called on a process-mode rank. Each rank's ending is recorded already (junitxml "
+                "properties 'rank N'); call it from a fixture of the test, which runs in the "
+                "pytest process, or use mode='thread'"
+            )
         try:
             pickle.dumps(value)
         except Exception as exc:
@@ -599,6 +642,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     note = pyfuncitem.stash.get(_limit_note_key, None)
     if note is not None and verdict.outcome is VerdictOutcome.FAILED:
         verdict.message += f"\n\n({note})"
+    _add_rank_properties(pyfuncitem, verdict.outcome is VerdictOutcome.FAILED)
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome is VerdictOutcome.FAILED:

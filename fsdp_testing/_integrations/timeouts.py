@@ -121,11 +121,11 @@ class TimeoutBridge:
         for name, outer in item.stash.get(_timers_key, {}).items():
             seconds = max(0.1, round(outer.end - now - reserve_for(outer.limit), 1))
             if best is None or seconds < best[0]:
-                what = "--timeout" if name == "pytest-timeout" else "faulthandler_timeout"
+                what = "pytest-timeout's" if name == "pytest-timeout" else "faulthandler_timeout's"
                 best = (
                     seconds,
-                    f"{what} {outer.limit:g} s of this test, less {reserve_for(outer.limit):g} "
-                    "s kept for the report and teardown",
+                    f"{what} {outer.limit:g} s for this test, less "
+                    f"{reserve_for(outer.limit):g} s kept for the report and teardown",
                 )
         return best
 

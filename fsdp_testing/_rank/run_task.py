@@ -9,7 +9,7 @@ import time
 import unittest
 from collections.abc import Iterator
 
-from fsdp_testing._integrations import debugging
+from fsdp_testing._integrations import debugging, seeds
 from fsdp_testing._protocol import FunctionRef, Outcome, RankFixture, RankResult, Task
 from fsdp_testing._rank.capture import CaptureRouter
 from fsdp_testing._rank.context import RankContext
@@ -78,6 +78,7 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
     if router is not None:
         router.begin()
     try:
+        seeds.reseed_rank(task.test_id, ctx.rank)  # see [Note: per-rank seeds]
         target = task.target
         if isinstance(target, FunctionRef):
             target = resolve(target)
