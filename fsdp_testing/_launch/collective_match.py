@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdp_testing._report.text import ranks_phrase
+
 __all__ = ["describe_call", "group_label", "mismatch_message", "ordinal", "reduce_op_name"]
 
 
@@ -49,9 +51,10 @@ def mismatch_message(calls: Mapping[int, str], nth: int, label: str) -> str:
     by_call: dict[str, list[int]] = {}
     for rank, call in sorted(calls.items()):
         by_call.setdefault(call, []).append(rank)
+    # The fewest ranks first: the odd one out (``rank 37 issued ...; ranks 0-36, 38-63 ...``).
     parts = [
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} issued {call}"
-        for call, ranks in by_call.items()
+        f"{ranks_phrase(ranks)} issued {call}"
+        for call, ranks in sorted(by_call.items(), key=lambda item: (len(item[1]), item[1][0]))
     ]
     return (
         f"the ranks issued different collectives as the {ordinal(nth)} collective of {label}: "

@@ -70,6 +70,9 @@ def never_entered(records: dict[int, list[dict[str, Any]]]) -> dict[int, tuple[s
     return found
 
 
+_PLURAL = {"shapes": "shapes", "dtype": "dtypes"}
+
+
 def _wait(ranks: set[int] | list[int]) -> str:
     return "waits" if len(set(ranks)) == 1 else "wait"
 
@@ -102,10 +105,20 @@ def describe_divergence(
                 if pe is None or pe["seq"] < e["seq"]:
                     done = "no collective" if pe is None else f"{_fmt(pe)} ({pe['state']})"
                     note(("never", _fmt(e), done), r, peer)
-                elif pe["seq"] == e["seq"] and _family(pe) != _family(e) and peer > r:
-                    note(("other", _fmt(e), _fmt(pe)), r, peer)
-                elif pe["seq"] == e["seq"] and pe["shapes"] != e["shapes"] and peer > r:
-                    note(("shapes", _fmt(e), str(e["shapes"]), str(pe["shapes"])), r, peer)
+                    continue
+                if pe["seq"] != e["seq"] or (peer in waiting and peer < r):
+                    continue  # two waiting ranks are compared once
+                # A peer that left the collective (gloo let it through, or it raised) is
+                # compared too: a crash on a mismatch leaves one rank inside, one out.
+                both = "both" if peer in waiting else "one"
+                if _family(pe) != _family(e):
+                    note(("other", _fmt(e), _fmt(pe), both, pe["state"]), r, peer)
+                elif pe["shapes"] != e["shapes"]:
+                    note(("shapes", _fmt(e), str(e["shapes"]), str(pe["shapes"]), both), r, peer)
+                elif pe.get("dtype") != e.get("dtype"):
+                    note(
+                        ("dtype", _fmt(e), str(e.get("dtype")), str(pe.get("dtype")), both), r, peer
+                    )
     lines: list[str] = []
     for key, (waiters, peers) in found.items():
         who, them = ranks_phrase(waiters, where), ranks_phrase(peers, where)
@@ -115,13 +128,23 @@ def describe_divergence(
             lines.append(
                 f"{who} {_wait(waiters)} in {key[1]} but {them} never entered it ({theirs})"
             )
-        elif key[0] == "other":
+        elif key[0] == "other" and key[3] == "both":
             lines.append(
                 f"{who} {_wait(waiters)} in {key[1]} while {them} {_wait(peers)} in {key[2]}"
             )
+        elif key[0] == "other":
+            lines.append(
+                f"{who} {_wait(waiters)} in {key[1]} while {them} issued {key[2]} ({key[4]})"
+            )
+        elif key[4] == "both":
+            lines.append(
+                f"{who} and {them} are both in {key[1]} with different {_PLURAL[key[0]]}: "
+                f"{key[2]} vs {key[3]}"
+            )
         else:
             lines.append(
-                f"{who} and {them} are both in {key[1]} with different shapes: {key[2]} vs {key[3]}"
+                f"{who} {_wait(waiters)} in {key[1]} with {key[0]} {key[2]} but {them} issued it "
+                f"with {key[3]}"
             )
     if not lines:
         inside = [r for r, es in records.items() if es and es[-1]["state"] == "entered"]

@@ -58,6 +58,17 @@ def _is_torch(path: str) -> bool:
     return _TORCH_DIR in path
 
 
+_STDLIB_DIR = os.path.join(os.path.dirname(os.__file__), "")
+
+
+def _not_users(path: str) -> bool:
+    """Whether a frame in ``path`` is code the user did not write and shows in short form:
+    torch, the standard library, the package's user-facing helpers (``check_parity``'s 200-line
+    body once per traceback would make the report of one bug longer than the bug's code)."""
+    path = os.path.abspath(path)
+    return _is_torch(path) or path.startswith((_STDLIB_DIR, _PKG_DIR + os.sep))
+
+
 def mask(text: str) -> str:
     """``text`` without what differs between ranks failing alike: memory addresses
     (``<object at 0x7f...>``) and the ``[rank N]`` tag a message may start with."""
@@ -118,9 +129,10 @@ def describe(exc: BaseException) -> Facts:
 
 def format_failure(exc: BaseException, tbstyle: str, *, brief: bool = False) -> str:
     """``exc``'s traceback as pytest shows it, without the harness's machinery (see
-    :func:`is_machinery`), torch's frames in pytest's short form (one line and the call, not
-    the function's whole source). ``brief``: the standard library's plain format, for a rank
-    whose collective broke because a peer failed (reports show its one-line summary)."""
+    :func:`is_machinery`), the frames of torch, the standard library and the package's helpers
+    in pytest's short form (one line and the call, not the function's whole source).
+    ``brief``: the standard library's plain format, for a rank whose collective broke because
+    a peer failed (reports show its one-line summary)."""
     import traceback
 
     if brief:
@@ -133,7 +145,7 @@ def format_failure(exc: BaseException, tbstyle: str, *, brief: bool = False) -> 
         style = {"auto": "long", "no": "short"}.get(tbstyle, tbstyle)
         if style == "long" and hasattr(kept[0] if kept else None, "with_repr_style"):
             kept = type(kept)(
-                entry.with_repr_style("short") if _is_torch(str(entry.path)) else entry
+                entry.with_repr_style("short") if _not_users(str(entry.path)) else entry
                 for entry in kept
             )
         info.traceback = kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 
 __all__ = [
@@ -36,10 +37,15 @@ RANGES_CHARS = 100
 
 
 def _bounded(ranges: str) -> str:
-    """``ranges`` within ``RANGES_CHARS``: ``"9, 12, 15, ..., 63"`` (the count says how many)."""
+    """``ranges`` within ``RANGES_CHARS``: ``"9, 12, 15, ..., 63"`` (the count says how many);
+    ranks a step apart (every other rank) as their first three and last: ``"1, 3, 5, ..., 63"``."""
+    runs = ranges.split(", ")
+    if len(runs) > 5 and all(run.isdigit() for run in runs):
+        steps = {int(b) - int(a) for a, b in itertools.pairwise(runs)}
+        if len(steps) == 1:
+            return ", ".join([*runs[:3], "...", runs[-1]])
     if len(ranges) <= RANGES_CHARS:
         return ranges
-    runs = ranges.split(", ")
     kept: list[str] = []
     for run in runs[:-1]:
         if len(", ".join([*kept, run, "...", runs[-1]])) > RANGES_CHARS:

@@ -113,6 +113,10 @@ LINE_CHARS = 300
 VARIANTS_SHOWN = 2
 
 
+#: The summary of a rank that the harness stopped in a collective (``rank_threads.Aborted``).
+_STOPPED = "Aborted: aborted by the harness"
+
+
 def _cut(text: str, limit: int = LINE_CHARS) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
@@ -247,11 +251,14 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         what = f"{their} collective ({call})" if call else f"{their} collective"
         because = ranks_phrase(sorted(causes), where)
         named = f" (last collective of {peers})" if peers else ""
-        parts.append(
-            f"\n{ranks_heading(ranks, where, of=world)} aborted: {what} broke because {because} "
-            f"failed{named}: {_cut(failed[ranks[0]].summary)}"
-            + ("" if len(ranks) == 1 else f" (rank {ranks[0]}'s error)")
-        )
+        summary = failed[ranks[0]].summary
+        # A peer the harness stopped (an in-process world's wake) has no error of its own.
+        error = "" if summary.startswith(_STOPPED) else f": {summary}"
+        if error and len(ranks) > 1:
+            error += f" (rank {ranks[0]}'s error)"
+        line = f"{ranks_heading(ranks, where, of=world)} aborted: {what} broke because {because} "
+        tail = _cut(named + error, max(60, LINE_CHARS - len(line) - len("failed ")))
+        parts.append(f"\n{line}failed{' ' if named else ''}{tail}")
     if dead and any(collectives_only(entries) for entries in obs.records.values()):
         # A crash inside a collective (gloo's abort on a mismatch): as a hang report shows it.
         parts.append("\ncollective divergence:")

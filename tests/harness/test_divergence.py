@@ -10,13 +10,20 @@ from fsdp_testing._report.divergence import describe_divergence, format_records
 from fsdp_testing._report.hang_report import trim_stack
 
 
-def _e(seq: int, op: str, state: str, group: str = "default", shapes: Any = None) -> dict:
+def _e(
+    seq: int,
+    op: str,
+    state: str,
+    group: str = "default",
+    shapes: Any = None,
+    dtype: str = "float32",
+) -> dict:
     return {
         "seq": seq,
         "op": op,
         "group": group,
         "shapes": shapes if shapes is not None else [[4]],
-        "dtype": "float32",
+        "dtype": dtype,
         "state": state,
     }
 
@@ -55,6 +62,20 @@ def _e(seq: int, op: str, state: str, group: str = "default", shapes: Any = None
             },
             ["rank 0 and rank 1 are both in all_gather #1 with different shapes: [[4]] vs [[8]]"],
             id="different-shapes",
+        ),
+        pytest.param(
+            # gloo let rank 0 through and aborted rank 1 (a crash report reads the logs too).
+            {
+                0: [_e(1, "broadcast", "completed", shapes=[[5]])],
+                1: [_e(1, "broadcast", "entered", shapes=[[3]])],
+            },
+            ["rank 1 waits in broadcast #1 with shapes [[3]] but rank 0 issued it with [[5]]"],
+            id="peer-left-with-other-shapes",
+        ),
+        pytest.param(
+            {0: [_e(1, "all_reduce", "entered")], 1: [_e(1, "all_reduce", "raised", dtype="x")]},
+            ["rank 0 waits in all_reduce #1 with dtype float32 but rank 1 issued it with x"],
+            id="peer-left-with-another-dtype",
         ),
         pytest.param(
             {

@@ -72,6 +72,8 @@ def test_ranges() -> None:
     evens = ranks_phrase(range(0, 128, 2), of=128)
     assert evens.startswith("ranks 0, 2, 4,") and evens.endswith(", ..., 126 (64 of 128)")
     assert len(evens) < 130
+    # Ranks a step apart: the first three and the last.
+    assert ranks_phrase(range(1, 64, 2), of=64) == "ranks 1, 3, 5, ..., 63 (32 of 64)"
     where = {r: f"node {r // 8}, local rank {r % 8}" for r in range(16)}
     assert ranks_phrase(range(16), where, of=16) == "ranks 0-15 (16 of 16) (nodes 0, 1)"
     assert ranks_phrase([9], where) == "rank 9 (node 1, local rank 1)"
@@ -129,10 +131,10 @@ def test_the_headline_is_bounded() -> None:
     message = judge(_world(results, 64)).message
     headline = message.splitlines()[0]
     assert len(headline) <= HEADLINE_CHARS
-    assert headline.startswith("ranks 0, 3, 6, 9, 12,")
+    assert headline.startswith("ranks 0, 3, 6, ..., 63 (22 of 64) failed")
     assert "failed: AssertionError: 0 xxx" in headline
     assert "more below" in headline
-    assert "[ranks 9, 12, 15, 18," in message
+    assert "[ranks 9, 12, 15, ..., 63 (19 of 64)]" in message
     assert len(message.splitlines()) < 100
 
 

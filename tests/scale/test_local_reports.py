@@ -40,7 +40,7 @@ def test_mismatch_names_what_each_rank_issued(run: Run) -> None:
     assert case.outcome == "failed"
     assert (
         "the ranks issued different collectives as the 1st collective of the default group: "
-        "ranks 0, 2 issued all_reduce(float32[1], SUM); rank 1 issued all_reduce(float32[2], "
+        "rank 1 issued all_reduce(float32[2], SUM); ranks 0, 2 issued all_reduce(float32[1], "
         "SUM)"
     ) in case.message
     assert case.message.startswith("ranks 0-2 (3 of 3) failed: RuntimeError: [rank 0] mode='local'")

@@ -107,9 +107,55 @@ def test_errors_inside_helpers_keep_the_helpers_frames(pytester: pytest.Pytester
     pytester.makepyfile(HELPER)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
+    # The tuple reaches the helper's default loss, which calls the model on it.
     result.stdout.fnmatch_lines(
-        ["*AttributeError: 'tuple' object has no attribute 'shape'*", "*fsdp_testing/parity/*"]
+        [
+            "*/fsdp_testing/parity/_resume.py:*: in check_resume_parity",
+            "*/fsdp_testing/parity/_resume.py:*: in _mean_square",
+            "*TypeError: linear(): argument 'input' (position 1) must be Tensor, not tuple",
+        ]
     )
     text = result.stdout.str()
+    # ... in pytest's short form, as torch's: the call, not the helper's whole source.
+    assert "def check_resume_parity(" not in text
     assert "fsdp_testing/_launch" not in text  # the harness's machinery stays hidden
     assert "fsdp_testing/_rank" not in text
+
+
+PEERS = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=4, mode="local")
+def test_peers(rank):
+    dist.broadcast(torch.ones(2), src=0)
+    if rank == 0:
+        raise ValueError("rank zero is broken")
+    dist.all_reduce(torch.ones(1))
+
+@pytest.mark.distributed(world_size=4, mode="local")
+def test_odd_one_out(rank):
+    dist.all_reduce(torch.ones(2 if rank == 3 else 1))
+"""
+
+
+def test_aborted_peers_name_their_collective_and_the_failed_ranks(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(PEERS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 0 failed: ValueError: rank zero is broken (ranks 1-3 aborted)",
+            "[[]ranks 1-3 (3 of 4)[]] aborted: their collective (all_reduce #2 [[]raised[]]) "
+            "broke because rank 0 failed (last collective of rank 0: broadcast #1 [[]completed[]])",
+            # The odd rank first, the others as ranges.
+            "*the ranks issued different collectives as the 1st collective of the default group: "
+            "rank 3 issued all_reduce(float32[[]2[]], SUM); ranks 0-2 issued "
+            "all_reduce(float32[[]1[]], SUM)*",
+        ]
+    )
+    text = result.stdout.str()
+    assert "aborted by the harness" not in text
+    # torch's debug record of each rank's failed collective repeats the error: not shown.
+    assert "Captured log" not in text
