@@ -217,13 +217,13 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         for ranks in groups[1 : 1 + VARIANTS_SHOWN]:
             parts.append(
                 f"\n{ranks_heading(ranks, where, of=world)} failed at the same place with "
-                f"another message:\n  {_cut(raised[ranks[0]].summary)}"
+                f"another message:\n  {_cut(raised[ranks[0]].summary, LINE_CHARS - 2)}"
             )
         rest = sorted(r for g in groups[1 + VARIANTS_SHOWN :] for r in g)
         if rest:
             parts.append(
                 f"\n{ranks_heading(rest, where, of=world)} failed at the same place with other "
-                f"messages, e.g. rank {rest[0]}:\n  {_cut(raised[rest[0]].summary)}"
+                f"messages, e.g. rank {rest[0]}:\n  {_cut(raised[rest[0]].summary, LINE_CHARS - 2)}"
             )
 
     stragglers = sorted(r for r in aborted if r in obs.stragglers)

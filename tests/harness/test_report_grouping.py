@@ -154,6 +154,16 @@ def test_ranks_failing_at_one_place_with_other_numbers_share_the_traceback() -> 
     _check_size(message, 100)
 
 
+def test_long_messages_of_ranks_failing_at_one_place_fit_a_line() -> None:
+    # check_parity's divergence on every rank: one place, a long message with each rank's loss.
+    def diverged(rank: int) -> None:
+        raise AssertionError(f"[rank {rank}] loss {rank / 7}" + "\n  w: max abs diff 0.1" * 30)
+
+    message = judge(_world({r: _failed(r, diverged, r) for r in range(64)}, 64)).message
+    assert "[ranks 3-63 (61 of 64)] failed at the same place with other messages" in message
+    _check_size(message, 100)
+
+
 def test_the_summary_keeps_the_whole_assertion_message_not_pytests_explanation() -> None:
     facts = failure.describe(AssertionError("first line\nsecond line\nassert 0 == 5\n +  where"))
     assert facts.summary == "AssertionError: first line second line"
