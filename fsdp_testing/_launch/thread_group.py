@@ -221,7 +221,10 @@ class _Arrival:
         self._op = op
 
     def join(self, group_rank: int, data: Any) -> Any:
-        self._calls.arrive(self._me, _describe(self._op, data))
+        call = _describe(self._op, data)
+        self._calls.arrive(self._me, call)
+        if type(self._op).__name__ == "AllGather":
+            _validate_gathered(data, self._me, call)
         with thread_turns.waiting():
             try:
                 return self.collective.join(group_rank, data)
@@ -306,7 +309,8 @@ def _describe(op: Any, data: Any) -> str:
     if kind == "Broadcast":
         return describe_call("broadcast", data, f"src {op.src}")
     if kind == "AllGather":
-        return describe_call("all_gather", data[1])
+        wrong = _gather_outputs_that_differ(data)
+        return describe_call("all_gather", data[1], f"into {wrong}" if wrong else "")
     if kind == "ReduceScatter":
         return describe_call("reduce_scatter", [*data[0], *data[1][0]], reduce_op_name(op.op))
     if kind == "Scatter":
@@ -320,6 +324,28 @@ def _describe(op: Any, data: Any) -> str:
     from torch.utils import _pytree as pytree
 
     return describe_call(kind, [t for t in pytree.tree_leaves(data) if hasattr(t, "dtype")])
+
+
+def _gather_outputs_that_differ(data: Any) -> str:
+    """An all-gather's outputs where they are not one tensor of the input's size per rank
+    (``float32[2], float32[2]``: torch's threaded group cuts ``all_gather_single``'s output in
+    world-size pieces and copies each input into its piece, broadcasting a smaller one where a
+    real backend raises); empty when they are."""
+    outputs, inputs = data[0][0], data[1]
+    if all(o.numel() == inputs[0].numel() and o.dtype == inputs[0].dtype for o in outputs):
+        return ""
+    return describe_call("", outputs)[1:-1]
+
+
+def _validate_gathered(data: Any, me: int, call: str) -> None:
+    """Every rank issued the same all-gather with outputs that cannot hold the inputs: each
+    raises, as each gloo rank does."""
+    if _gather_outputs_that_differ(data):
+        raise RuntimeError(
+            f"[rank {me}] mode='thread': {call}: an all-gather's output must hold one tensor of "
+            "the input's size and dtype per rank (all_gather_single and "
+            "all_gather_into_tensor: an output of world_size times the input's elements)"
+        )
 
 
 def wake() -> None:

@@ -86,3 +86,43 @@ def test_a_stopped_peer_is_not_a_body_that_called_sys_exit(pytester: pytest.Pyte
     assert "Test termination event" not in text
     assert "the test body called sys.exit" not in text
     assert "aborted by the harness" not in text
+
+
+GATHER_OUTPUTS = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_one_rank_too_big(rank):
+    dist.all_gather_single(torch.empty(2 if rank == 0 else 4), torch.ones(1))
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_every_rank_too_big(rank):
+    dist.all_gather_single(torch.empty(4), torch.ones(1))
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_outputs_that_fit(rank):
+    out = torch.empty(2)
+    dist.all_gather_single(out, torch.full((1,), float(rank)))
+    rows = torch.empty(2, 3)
+    dist.all_gather_single(rows, torch.full((3,), float(rank)))
+    assert out.tolist() == [0.0, 1.0] and rows[1].tolist() == [1.0] * 3
+"""
+
+
+def test_an_all_gather_output_that_cannot_hold_the_inputs_fails(
+    pytester: pytest.Pytester,
+) -> None:
+    # torch's threaded group cuts the output in world-size pieces and copies each rank's input
+    # into its piece, broadcasting one element into two: gloo raises, so thread mode does.
+    pytester.makepyfile(GATHER_OUTPUTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 0 issued all_gather(float32[[]1[]]); rank 1 issued all_gather(float32[[]1[]], "
+            "into float32[[]2[]], float32[[]2[]])*",
+            "ranks 0, 1 (2 of 2) failed: RuntimeError: [[]rank 0[]] mode='thread': "
+            "all_gather(float32[[]1[]], into float32[[]2[]], float32[[]2[]]): an all-gather's "
+            "output must hold one tensor of the input's size and dtype per rank*",
+        ]
+    )
