@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -47,6 +48,7 @@ import unittest
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MIRRORED = ("common_fsdp", "common_distributed", "common_utils")
 _IMPORT = re.compile(r"\btorch\.testing\._internal\.(" + "|".join(MIRRORED) + r")\b")
@@ -253,7 +255,19 @@ def _allow_cpu_in_gpu_gates() -> None:
         importlib.import_module(f"torch.testing._internal.{name}")
     common_distributed = importlib.import_module("torch.testing._internal.common_distributed")
     gate = common_distributed.skip_if_lt_x_gpu
-    cpu_gate = functools.partial(gate, allow_cpu=True)
+    cpu_gate: Callable[..., Any]
+    if "allow_cpu" in inspect.signature(gate).parameters:
+        cpu_gate = functools.partial(gate, allow_cpu=True)
+    else:  # an older torch's gate has no allow_cpu: what allow_cpu=True does, by hand
+
+        def cpu_gate(x: int) -> Callable[[Any], Any]:
+            import torch
+
+            accelerator = torch.cuda.is_available() or any(
+                getattr(common_distributed, flag, False) for flag in ("TEST_HPU", "TEST_XPU")
+            )
+            return gate(x) if accelerator else lambda func: func
+
     for name, module in list(sys.modules.items()):
         if (
             name.startswith("torch.testing._internal")

@@ -108,6 +108,7 @@ __all__ = [
     "ACCELERATOR_DIST_BACKENDS",
     "DDP_RANK_DEVICES",
     "DEFAULT_WORLD_SIZE",
+    "EFA_PROBE_RESULT",  # noqa: F822 (module __getattr__)
     "FILE_SCHEMA",
     "HAS_ACCELERATOR",
     "IS_SANDCASTLE",
@@ -202,4 +203,8 @@ def __getattr__(name: str) -> Any:
         from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
         return ProcessLocalGroup
+    if name == "EFA_PROBE_RESULT":  # has_efa()'s cached answer, read when asked
+        from fsdp_testing._compat import dist_helpers
+
+        return dist_helpers.EFA_PROBE_RESULT
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

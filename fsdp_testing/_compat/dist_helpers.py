@@ -27,6 +27,7 @@ from .env import FILE_SCHEMA, TEST_HPU, TEST_WITH_TSAN, TEST_XPU, TORCH_RELEASE
 from .parametrize import find_free_port, retry_on_connect_failures
 
 __all__ = [
+    "EFA_PROBE_RESULT",
     "TIMEOUT_DEFAULT",
     "TIMEOUT_OVERRIDE",
     "TORCHCOMM_HAS_GLOO",
@@ -258,17 +259,23 @@ def retrieve_result_from_completion_queue(
             return RuntimeError(f"Process timed out after {time.monotonic() - start}s")
 
 
-@functools.lru_cache(maxsize=1)
+EFA_PROBE_RESULT: bool | None = None
+""":func:`has_efa`'s answer once it ran, None before (torch up to 2.9 names it in
+``common_distributed``)."""
+
+
 def has_efa() -> bool:
-    """Whether an AWS EFA network device is present (``fi_info -p efa`` succeeds)."""
+    """Whether an AWS EFA network device is present (``fi_info -p efa`` succeeds); probed once."""
     import subprocess
 
-    try:
-        return (
-            subprocess.run(["fi_info", "-p", "efa", "-t", "FI_EP_RDM"], check=False).returncode == 0
-        )
-    except FileNotFoundError:
-        return False
+    global EFA_PROBE_RESULT
+    if EFA_PROBE_RESULT is None:
+        try:
+            probe = subprocess.run(["fi_info", "-p", "efa", "-t", "FI_EP_RDM"], check=False)
+            EFA_PROBE_RESULT = probe.returncode == 0
+        except FileNotFoundError:
+            EFA_PROBE_RESULT = False
+    return EFA_PROBE_RESULT
 
 
 def tp_transports() -> list[str] | None:

@@ -125,13 +125,18 @@ def _forget_dtensor_meshes() -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    try:
-        clear_python = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
-        clear_fast_path = torch._C._clear_DTensor_sharding_propagator_cache
-    except AttributeError:  # torch moved them: its own (slower to import) way
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    # torch 2.9's cache (a thread-local lru_cache) has no cache_clear of its own, and 2.9 has
+    # no C++ fast path cache.
+    clear_python = getattr(cached, "cache_clear", None) or getattr(
+        getattr(cached, "cache", None), "cache_clear", None
+    )
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_python is None:  # torch moved it: its own (slower to import) way
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
         return
     clear_python()
-    clear_fast_path()
+    if clear_fast_path is not None:
+        clear_fast_path()

@@ -266,3 +266,34 @@ def test_multigpu_and_periodic_gates_with_their_markers(
     monkeypatch.setenv("PYTORCH_TEST_WITH_PERIODIC", "1")
     result = pytester.runpytest_subprocess("-m", "periodic")
     result.assert_outcomes(passed=1, deselected=2)
+
+
+def test_efa_probe_result_is_has_efas_cached_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch up to 2.9 names the probe's cache EFA_PROBE_RESULT in common_distributed.
+    import subprocess
+
+    from fsdp_testing import common_distributed
+    from fsdp_testing._compat import dist_helpers
+
+    probes: list[list[str]] = []
+
+    def fi_info(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        probes.append(argv)
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(subprocess, "run", fi_info)
+    monkeypatch.setattr(dist_helpers, "EFA_PROBE_RESULT", None)
+    assert common_distributed.EFA_PROBE_RESULT is None
+    assert common_distributed.has_efa() is True
+    assert common_distributed.EFA_PROBE_RESULT is True
+    assert common_distributed.tp_transports() == ["shm", "uv"]
+    assert probes == [["fi_info", "-p", "efa", "-t", "FI_EP_RDM"]]  # probed once
+
+    def no_fi_info(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        raise FileNotFoundError(argv[0])
+
+    monkeypatch.setattr(subprocess, "run", no_fi_info)
+    monkeypatch.setattr(dist_helpers, "EFA_PROBE_RESULT", None)
+    assert common_distributed.has_efa() is False
+    assert common_distributed.EFA_PROBE_RESULT is False
+    assert common_distributed.tp_transports() is None
