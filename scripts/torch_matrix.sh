@@ -101,7 +101,8 @@ import sys
 log, installed, build, cuda, wall, version, args = sys.argv[1:]
 summary = ""
 for line in open(log, encoding="utf-8", errors="replace"):
-    if re.match(r"^=+ .*\bin [0-9.]+s", line):
+    # "== 3 passed, 1 skipped in 2.1s ==", or undecorated under -q: "3 passed in 2.1s".
+    if re.match(r"^=*\s*((\d+ \w+,? )+|no tests ran )in [0-9.]+s", line):
         summary = line
 counts = dict.fromkeys(("passed", "failed", "skipped", "error"), 0)
 for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary):
