@@ -59,6 +59,8 @@ _failures: list[tuple[int, BaseException]] = []
 _in_process = False
 _gen_dir: str | None = None
 """Set in a rank process: its generation's folder (one debugger per generation)."""
+_rank: int | None = None
+"""Set in a rank process: its rank."""
 
 
 def enable_in_process() -> None:
@@ -87,11 +89,11 @@ def first_failure() -> tuple[int, BaseException] | None:
 # --- process mode ---------------------------------------------------------------------------
 
 
-def serve_rank(gen_dir: str) -> None:
-    """In a rank process about to serve tasks: failures may be debugged (under ``--pdb``) and
-    ``breakpoint()`` opens on the terminal."""
-    global _gen_dir
-    _gen_dir = gen_dir
+def serve_rank(gen_dir: str, rank: int) -> None:
+    """In rank ``rank``'s process about to serve tasks: failures may be debugged (under
+    ``--pdb``) and ``breakpoint()`` opens on the terminal."""
+    global _gen_dir, _rank
+    _gen_dir, _rank = gen_dir, rank
     sys.breakpointhook = _breakpoint
 
 
@@ -208,7 +210,7 @@ def _debug_in_a_copy(exc: BaseException, rank: int, folder: str) -> None:
 def _breakpoint(*args: Any, **kwargs: Any) -> None:
     frame = sys._getframe(1)  # the caller of breakpoint(), as pdb.set_trace() finds it
     if not _take_terminal_turn("breakpoint"):
-        print("fsdp_testing: breakpoint() skipped on this rank: another rank has the terminal")
+        print(f"fsdp_testing: breakpoint() skipped on rank {_rank}: another rank has the terminal")
         return
     tty, why = _open_terminal()
     if tty is None:
@@ -217,7 +219,10 @@ def _breakpoint(*args: Any, **kwargs: Any) -> None:
             "the test with mode='thread' (its ranks are threads of the pytest process, where "
             "breakpoint() is pytest's own; add -s)"
         )
-    tty.write(f"\n>>>>>>>>>> fsdp_testing: breakpoint() on a rank (pid {os.getpid()}) >>>>>>>>>>\n")
+    tty.write(
+        f"\n>>>>>>>>>> fsdp_testing: breakpoint() on rank {_rank} (pid {os.getpid()}; the other "
+        "ranks go on) >>>>>>>>>>\n"
+    )
     _terminal_pdb(tty).set_trace(frame)
 
 

@@ -174,7 +174,7 @@ def serve(
     die_with_parent()
     # See [Note: coverage on rank processes] in ``_integrations/rank_coverage.py``.
     rank_coverage.start_in_rank(rank)
-    debugging.serve_rank(spec.gen_dir)  # see [Note: debugging a rank]
+    debugging.serve_rank(spec.gen_dir, rank)  # see [Note: debugging a rank]
     log_path = os.path.join(spec.gen_dir, f"rank{rank}.log")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log_fd, 1)
