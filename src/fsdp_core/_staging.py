@@ -35,8 +35,6 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 __all__ = ["GRAIN_BYTES", "KEEP", "StagingBuffers"]
@@ -50,8 +48,11 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._idle: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        # Buffers in use, by data pointer; weak, so that one never given back is freed.
-        self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # The buffers in use, by data pointer: their dtype and size, no reference, so that one
+        # never given back is freed. (Not a weak reference to the buffer: while lent, only
+        # views of it are held, and on torch 2.9 such a reference can come back as a tensor
+        # without storage.) A stale entry is overwritten when its address is lent again.
+        self._lent: dict[int, tuple[torch.dtype, int]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D tensor of ``numel`` elements of ``dtype`` on ``device`` (uninitialized): on the
@@ -64,18 +65,23 @@ class StagingBuffers:
         idle = self._idle.get((dtype, size))
         buffer = idle.pop() if idle else torch.empty(size, dtype=dtype)
         if type(buffer) is torch.Tensor:  # not under a fake mode, which has no memory to keep
-            self._lent[buffer.data_ptr()] = buffer
+            self._lent[buffer.data_ptr()] = (dtype, size)
         return buffer[:numel]
 
     def give(self, tensor: torch.Tensor) -> None:
-        """Take back the buffer that ``tensor`` (a view from :meth:`take`) lies in; the caller
-        holds no other view of it. A tensor this object did not hand out is left alone."""
+        """Take back the buffer that ``tensor`` (a view from :meth:`take`, or a view of one)
+        lies in; the caller holds no other view of it. A tensor this object did not hand out
+        is left alone."""
         if type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
             return
-        buffer = self._lent.pop(tensor.data_ptr(), None)
-        if buffer is None:
+        buffer = tensor._base if tensor._base is not None else tensor
+        if tensor.data_ptr() != buffer.data_ptr() or buffer.dim() != 1:
+            return  # not the start of a whole 1D buffer
+        key = (buffer.dtype, buffer.numel())
+        if self._lent.get(buffer.data_ptr()) != key:
             return
-        idle = self._idle.setdefault((buffer.dtype, buffer.numel()), [])
+        del self._lent[buffer.data_ptr()]
+        idle = self._idle.setdefault(key, [])
         if len(idle) < KEEP:
             idle.append(buffer)
 

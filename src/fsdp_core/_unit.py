@@ -468,8 +468,8 @@ class FSDPUnit(UnitGrads):
         if extended or self._extensions is not None:  # see [Note: all-gather extensions]
             self._extensions = self._extensions or GatherExtensions()
             self._extensions.unshard(self, extended)
-        elif self.staging is not None:  # copied out: see [Note: staging buffers on the CPU]
-            self.staging.give(gathered)
+        elif self.staging is not None and self.all_gather_comm is None:
+            self.staging.give(gathered)  # copied out: see [Note: staging buffers on the CPU]
         self._gathered = self._gathered_event = None
 
     # ------------------------------------------------------------------ full parameters

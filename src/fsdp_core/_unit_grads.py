@@ -156,7 +156,8 @@ class UnitGrads:
         """Hand a reduce input that the engine no longer reads back to the root's staging
         buffers, unless the reduced gradient is a view of it (a shard group of one). See
         [Note: staging buffers on the CPU]."""
-        if self.staging is not None and self._sharded and self.groups.shard_size > 1:
+        sharded = self._sharded and self.groups.shard_size > 1
+        if self.staging is not None and sharded and self.reduce_scatter_comm is None:
             self.staging.give(reduce_input)
 
     def _overlap_for_reduce(self) -> CpuOverlap | None:

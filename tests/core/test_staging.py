@@ -38,6 +38,18 @@ def test_a_given_buffer_is_taken_again_at_its_rounded_size() -> None:
     assert other.data_ptr() != address
 
 
+def test_a_view_of_a_lent_buffer_brings_it_back() -> None:
+    """A reduce input is the lent tensor reshaped: giving it back returns the whole buffer;
+    a view that does not start at the buffer's start is left alone."""
+    staging = StagingBuffers()
+    lent = staging.take(1000, torch.float32, CPU)
+    staging.give(lent[1:])
+    assert _idle_bytes(staging) == 0
+    staging.give(lent.view(10, 100))
+    assert _idle_bytes(staging) == GRAIN_BYTES
+    assert staging.take(1000, torch.float32, CPU).data_ptr() == lent.data_ptr()
+
+
 def test_only_lent_buffers_come_back_and_at_most_keep_per_size() -> None:
     staging = StagingBuffers()
     staging.give(torch.empty(10))  # not lent: left alone
