@@ -15,10 +15,25 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["FAILURE_GRACE_S", "Deadline"]
+__all__ = ["FAILURE_GRACE_S", "PG_TIMEOUT_MARGIN_S", "Deadline", "pg_timeout_for"]
 
 FAILURE_GRACE_S = 1.0
 """How long peers of a failed rank may take to finish before they count as aborted."""
+
+MIN_PG_TIMEOUT_S = 30.0
+"""Floor of a rank process group's timeout (a test's own timeout may be shorter: the
+parent stops its ranks at the test's timeout whatever the group's is)."""
+PG_TIMEOUT_MARGIN_S = 30.0
+"""How much longer than the test's timeout a collective may wait before gloo raises: the
+harness's timeout comes first, so a hung collective is reported as a hang, with every rank's
+stack in it. (With gloo's timeout equal to the test's, a hang at the default 120 s raised on the
+ranks at about the moment their stacks were taken: the report showed them in pytest's
+traceback formatting and said the hang was outside any collective.)"""
+
+
+def pg_timeout_for(timeout: float) -> float:
+    """The process-group timeout for a test of ``timeout`` seconds."""
+    return max(timeout, MIN_PG_TIMEOUT_S) + PG_TIMEOUT_MARGIN_S
 
 
 class Deadline:

@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any
 
-from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._launch.deadline import Deadline, pg_timeout_for
 from fsdp_testing._launch.job_messages import (
     POLL_S,
     Died,
@@ -71,8 +71,6 @@ from fsdp_testing._report.observation import Observation
 
 __all__ = ["JobLauncher"]
 
-MIN_PG_TIMEOUT_S = 30.0
-"""Floor of a world's process-group timeout, as in ``pool.py``."""
 DUMP_WAIT_S = 30.0
 """Longest wait for stragglers' stacks (a slot that is alive answers in well under a second)."""
 BYE_WAIT_S = 10.0
@@ -286,7 +284,7 @@ class JobLauncher:
         if lost:
             return self._skipped(world_size, timeout, "; ".join(lost))
         key = (world_size, backend)
-        pg_timeout_s = max(timeout, MIN_PG_TIMEOUT_S)
+        pg_timeout_s = pg_timeout_for(timeout)
         world = self._warm.pop(key, None) if reuse else None
         if world is not None and world.pg_timeout_s < pg_timeout_s:
             self._drop(world)

@@ -20,7 +20,7 @@ next task, and a rank that could not reset exits and is replaced by a new genera
 warning that carries its traceback.
 
 A generation is reused only by tests whose process-group timeout it satisfies: its group was
-created with a timeout of ``max(test timeout, MIN_PG_TIMEOUT_S)``, and a later test with a longer
+created with a timeout of ``pg_timeout_for(test timeout)``, and a later test with a longer
 ``timeout=`` gets a new generation (otherwise its collectives would raise at the first test's
 timeout).
 """
@@ -39,7 +39,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
-from fsdp_testing._launch.deadline import Deadline
+from fsdp_testing._launch.deadline import Deadline, pg_timeout_for
 from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._protocol import (
     RESET_TIMEOUT_S,
@@ -64,9 +64,6 @@ __all__ = ["ProcessLauncher"]
 
 STACK_DUMP_WAIT_S = 0.3
 START_TIMEOUT_S = 60.0
-MIN_PG_TIMEOUT_S = 30.0
-"""Floor of a generation's process-group timeout (a test's own timeout may be shorter: the
-parent stops its ranks at the test's timeout whatever the group's is)."""
 _STOP = pickle.dumps(Stop())
 
 
@@ -274,7 +271,7 @@ class ProcessLauncher:
             timeout: seconds until the test counts as hung.
             reuse: keep the ranks warm for the next test when they can be trusted.
         """
-        pg_timeout_s = max(timeout, MIN_PG_TIMEOUT_S)
+        pg_timeout_s = pg_timeout_for(timeout)
         # A fresh-process test leaves the warm generation (if any) for the tests after it.
         gen = self._take_warm(world_size, backend, pg_timeout_s) if reuse else None
         if gen is None:
@@ -287,7 +284,7 @@ class ProcessLauncher:
         """Send ``task`` to the warm ranks of its world and return at once (``finish`` waits
         for them); None when no warm generation is ready for it, whose ranks ``run`` would
         start. See [Note: a test sent at the end of its setup] in ``fsdp_testing/plugin.py``."""
-        gen = self._take_warm(world_size, backend, max(timeout, MIN_PG_TIMEOUT_S))
+        gen = self._take_warm(world_size, backend, pg_timeout_for(timeout))
         return None if gen is None else self._send(gen, task, timeout, reuse=True)
 
     def _take_warm(self, world_size: int, backend: str, pg_timeout_s: float) -> _Generation | None:
