@@ -6,10 +6,10 @@ pytest writes a test's ``user_properties`` as ``<property>`` elements of its ``<
 in the JUnit XML (whatever ``junit_family``). A distributed test is one testcase for all its
 ranks, so the plugin adds one property per rank that reported or was seen to end, named
 ``rank N``, whose value says how it ended and in how long: ``passed in 0.012 s``,
-``failed in 0.030 s: AssertionError: ...``, ``died: killed by SIGKILL``, ``stopped: still
-running at the timeout``; in a job across nodes the rank's node follows in parentheses. Under
-pytest-randomly each rank's seed follows as ``rank N seed`` (see [Note: per-rank seeds] in
-``seeds.py``).
+``failed in 0.030 s: AssertionError: ...``, ``failed in 0.026 s (broken by a peer): ...``,
+``died: killed by SIGKILL``, ``stopped: still running at the timeout``; in a job across
+nodes the rank's node follows in parentheses. Under pytest-randomly each rank's seed follows
+as ``rank N seed`` (see [Note: per-rank seeds] in ``seeds.py``).
 
 ``record_property`` itself is a fixture of the pytest process: rank threads (thread, local and
 fake mode) may call it, and what they record lands here too; a process-mode rank cannot (the
@@ -43,6 +43,8 @@ def _ending(obs: Any, rank: int) -> str:
     result = obs.results.get(rank)
     if result is not None:
         text = f"{result.outcome.value} in {result.duration:.3f} s"
+        if result.outcome.value == "failed" and result.comm_error:
+            text += " (broken by a peer)"
         if result.outcome.value == "failed" and result.summary:
             text += f": {result.summary}"
     elif rank in obs.dead:

@@ -258,7 +258,8 @@ def test_junitxml_has_one_property_per_rank(pytester: pytest.Pytester) -> None:
         r"failed in \d+\.\d{3} s: AssertionError: rank one is wrong.*", failing["rank 1"]
     )
     dead = properties["test_rank_one_dies"]
-    assert dead["rank 1"].startswith("died: "), dead
+    assert dead["rank 1"] == "died: exited with code 3", dead
+    assert re.fullmatch(r"failed in \d+\.\d{3} s \(broken by a peer\): .*", dead["rank 0"]), dead
     recorded = properties["test_records_on_thread_ranks"]
     assert recorded["seen by rank 0"] == "0" and recorded["seen by rank 1"] == "10"
     result.stdout.fnmatch_lines(
