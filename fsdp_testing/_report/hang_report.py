@@ -54,6 +54,13 @@ def _is_torch(path: str) -> bool:
     return path.startswith(_torch_dir()) or path.startswith("<frozen")
 
 
+def _whose(frames: list[_Frame]) -> str:
+    """Whose code a run of folded frames is: torch's, Python's (``<frozen importlib...>``: an
+    import), or both."""
+    frozen = sum(f.path.startswith("<frozen") for f in frames)
+    return "torch" if not frozen else "Python" if frozen == len(frames) else "torch and Python"
+
+
 def _threads(text: str) -> list[tuple[str, list[_Frame]]]:
     """Split a stack dump into (heading, frames outermost first). faulthandler writes each
     thread most recent call first; ``traceback.format_stack`` writes one stack outermost first."""
@@ -117,7 +124,7 @@ def readable_stack(text: str, sources: Mapping[str, str] | None = None) -> str:
                 if j - i > 1:
                     inner = kept[j - 1]
                     lines.append(
-                        f"  ... {j - i} frames in torch: {frame.func} "
+                        f"  ... {j - i} frames in {_whose(kept[i:j])}: {frame.func} "
                         f"({os.path.basename(frame.path)}:{frame.line}) -> {inner.func} "
                         f"({os.path.basename(inner.path)}:{inner.line})"
                     )

@@ -173,6 +173,23 @@ def test_readable_stack_orders_frames_adds_source_and_folds_torch(tmp_path) -> N
     ]
 
 
+def test_readable_stack_names_an_import_as_pythons_not_torchs(tmp_path: Any) -> None:
+    from fsdp_testing._report.hang_report import readable_stack
+
+    test_file = tmp_path / "test_model.py"
+    test_file.write_text("def test_step():\n    import big\n")
+    dump = (
+        "Current thread 0x00007f00 (most recent call first):\n"
+        '  File "<frozen importlib._bootstrap>", line 241 in _call_with_frames_removed\n'
+        '  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load\n'
+        f'  File "{test_file}", line 2 in test_step\n'
+    )
+    assert readable_stack(dump).splitlines()[-1] == (
+        "  ... 2 frames in Python: _find_and_load (<frozen importlib._bootstrap>:1176) -> "
+        "_call_with_frames_removed (<frozen importlib._bootstrap>:241)"
+    )
+
+
 def test_readable_stack_leaves_text_without_frames_alone() -> None:
     from fsdp_testing._report.hang_report import readable_stack
 
