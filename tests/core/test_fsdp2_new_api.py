@@ -269,8 +269,8 @@ def test_reduce_scatter_unused_params(unused, rank, process_group):
 @pytest.mark.distributed(world_size=2)
 def test_separate_reduce_scatter_group(rank, process_group, monkeypatch):
     """``set_separate_reduce_scatter_group()`` reduce-scatters over a group of its own (one,
-    shared by the units) with the shard group's ranks; the gradients are the same bits;
-    ``False`` goes back to the shard group."""
+    shared by the units) with the shard group's ranks; the gradients are the same bits, and
+    torch's; ``False`` goes back to the shard group."""
     x = _batch(rank)
     plain = _shard_stack(_stack(), _mesh(process_group))
     plain(x).sum().backward()
@@ -294,6 +294,20 @@ def test_separate_reduce_scatter_group(rank, process_group, monkeypatch):
     model.set_separate_reduce_scatter_group(False)
     model(x).sum().backward()
     assert len(groups) == 3 and all(g is process_group for g in groups)
+    # torch's, where the installed torch has it: the same bits. In this test, not a test of
+    # its own: a group made with use_local_synchronization=True is named by its ranks, and a
+    # second test's group of the same ranks in the same rank processes finds the first one's
+    # addresses under that name in the store.
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    if hasattr(TorchFSDPModule, "set_separate_reduce_scatter_group"):
+        theirs = _stack()
+        for module in (theirs[0], theirs[2], theirs):
+            torch_fully_shard(module, mesh=_mesh(process_group))
+        theirs.set_separate_reduce_scatter_group()
+        theirs(x).sum().backward()
+        _assert_grads(_full_grads(theirs), _full_grads(plain), exact=True)
 
 
 # ---------------------------------------------------------------------- divide factor, symm mem
