@@ -23,6 +23,7 @@ __all__ = [
     "Facts",
     "Pending",
     "describe",
+    "explanation",
     "format_failure",
     "format_in_parent",
     "formats_in_parent",
@@ -100,6 +101,17 @@ def _message_lines(exc: BaseException) -> list[str]:
             if lines and lines[0].startswith("assert "):
                 lines = lines[:1]
     return [line for line in lines if line]
+
+
+def explanation(result: Any) -> str:
+    """The first line of pytest's explanation of a failed ``assert x, msg`` (``assert 0 == 5``)
+    that a :class:`~fsdp_testing._protocol.RankResult`'s summary leaves out, read from its
+    fingerprint (which holds the whole message); empty when there is none."""
+    place, fingerprint = getattr(result, "place", ""), getattr(result, "fingerprint", "")
+    if not place or not fingerprint.startswith(place + "\n"):
+        return ""
+    lines = [line.strip() for line in fingerprint[len(place) + 1 :].splitlines()]
+    return next((line for line in lines[1:] if line.startswith("assert ")), "")
 
 
 def _frames(exc: BaseException) -> list[str]:

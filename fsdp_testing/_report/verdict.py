@@ -18,7 +18,7 @@ from fsdp_testing._report.divergence import (
     format_records,
     injected_faults,
 )
-from fsdp_testing._report.failure import mask, message_of
+from fsdp_testing._report.failure import explanation, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.hang_report import stack_key, timeout_report, trim_stack
 from fsdp_testing._report.observation import Observation
@@ -122,6 +122,16 @@ def _cut(text: str, limit: int = LINE_CHARS) -> str:
     return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
 
 
+def _variant(result: RankResult, shown: RankResult) -> str:
+    """The one line of a rank that failed at the place of ``shown`` with another message; with
+    pytest's explanation where the summaries are the same (``assert t.item() == 0, msg`` with
+    other values)."""
+    text = result.summary
+    if text == shown.summary and (why := explanation(result)):
+        text += f" ({why})"
+    return _cut(text, LINE_CHARS - 2)
+
+
 def _headline(entries: list[tuple[str, str]], suffix: str) -> str:
     """``who failed: what; who failed: what (suffix)`` within ``HEADLINE_CHARS``: each entry is
     ``(who, what)``; ``what`` is cut to fit, and entries that do not fit are counted."""
@@ -192,7 +202,9 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         what = raised[groups[0][0]].summary
         if len(groups) > 1:
             others = sorted(r for g in groups[1:] for r in g)
-            what += f" (other messages on {ranks_phrase(others)})"
+            # The same message with other values in pytest's explanation (assert 1 == 5).
+            same = all(raised[g[0]].summary == what for g in groups[1:])
+            what += f" (other {'values' if same else 'messages'} on {ranks_phrase(others)})"
         entries.append((f"{ranks_phrase(ranks, where, of=world)} failed: ", what))
     suffix = f" ({ranks_phrase(sorted(aborted))} aborted)" if aborted else ""
     parts = [_headline(entries, suffix)]
@@ -215,15 +227,17 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             heading += f" the same error; the traceback of rank {shown}, the first to fail:"
         parts.append(f"\n{heading}\n{message_of(raised[shown]).rstrip()}")
         for ranks in groups[1 : 1 + VARIANTS_SHOWN]:
+            same = raised[ranks[0]].summary == raised[shown].summary
             parts.append(
                 f"\n{ranks_heading(ranks, where, of=world)} failed at the same place with "
-                f"another message:\n  {_cut(raised[ranks[0]].summary, LINE_CHARS - 2)}"
+                f"{'other values' if same else 'another message'}:\n"
+                f"  {_variant(raised[ranks[0]], raised[shown])}"
             )
         rest = sorted(r for g in groups[1 + VARIANTS_SHOWN :] for r in g)
         if rest:
             parts.append(
                 f"\n{ranks_heading(rest, where, of=world)} failed at the same place with other "
-                f"messages, e.g. rank {rest[0]}:\n  {_cut(raised[rest[0]].summary, LINE_CHARS - 2)}"
+                f"messages, e.g. rank {rest[0]}:\n  {_variant(raised[rest[0]], raised[shown])}"
             )
 
     stragglers = sorted(r for r in aborted if r in obs.stragglers)

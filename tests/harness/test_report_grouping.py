@@ -164,6 +164,22 @@ def test_long_messages_of_ranks_failing_at_one_place_fit_a_line() -> None:
     _check_size(message, 100)
 
 
+def test_the_same_message_with_other_values_says_so_and_shows_them() -> None:
+    def rewritten(rank: int) -> None:  # pytest's rewrite of assert rank == 5, "first\nsecond"
+        raise AssertionError(f"first line\nsecond line\nassert {rank} == 5\n +  where")
+
+    message = judge(_world({r: _failed(r, rewritten, r) for r in range(2)}, 2)).message
+    lines = message.splitlines()
+    assert lines[0] == (
+        "ranks 0, 1 (2 of 2) failed: AssertionError: first line second line (other values on "
+        "rank 1)"
+    )
+    assert lines[-2:] == [
+        "[rank 1] failed at the same place with other values:",
+        "  AssertionError: first line second line (assert 1 == 5)",
+    ]
+
+
 def test_the_summary_keeps_the_whole_assertion_message_not_pytests_explanation() -> None:
     facts = failure.describe(AssertionError("first line\nsecond line\nassert 0 == 5\n +  where"))
     assert facts.summary == "AssertionError: first line second line"
