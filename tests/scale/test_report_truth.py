@@ -159,3 +159,35 @@ def test_aborted_peers_name_their_collective_and_the_failed_ranks(
     assert "aborted by the harness" not in text
     # torch's debug record of each rank's failed collective repeats the error: not shown.
     assert "Captured log" not in text
+
+
+GLOO_ABORT = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, backend="gloo")
+def test_other_sizes(rank):
+    dist.all_reduce(torch.ones(1))
+    dist.broadcast(torch.ones(5 if rank == 0 else 3), src=0)
+"""
+
+
+def test_a_gloo_abort_on_a_mismatch_shows_the_collective_log(pytester: pytest.Pytester) -> None:
+    # gloo's receiver aborts the process (gloo::EnforceNotMet, "Received data size doesn't
+    # match expected size"); the sender may have left the broadcast already.
+    pytester.makepyfile(GLOO_ABORT)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 1 killed by SIGABRT*",
+            "*Is there a distributed collective mismatch in your code?",
+            "collective divergence:",
+            "  rank 1 waits in broadcast #2 with shapes [[][[]3[]][]] but rank 0 issued it with "
+            "[[][[]5[]][]]",
+            "last collectives per rank:",
+            "  rank 0:",
+            "    broadcast #2 shapes=[[][[]5[]][]] dtype=float32 [[]completed[]]",
+            "  rank 1:",
+            "    broadcast #2 shapes=[[][[]3[]][]] dtype=float32 [[]entered[]]",
+        ]
+    )
