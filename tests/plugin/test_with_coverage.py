@@ -5,6 +5,8 @@ See [Note: coverage on rank processes] in fsdp_testing/_integrations/rank_covera
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -167,3 +169,20 @@ def test_coverage_run_combines_the_ranks_data_itself(pytester: pytest.Pytester) 
     assert _left_behind(pytester.path) == []
     report = pytester.run(sys.executable, "-m", "coverage", "report", "-m")
     report.stdout.re_match_lines([r"mylib/ops\.py\s+\d+\s+0\s+100%\s*$"])
+
+
+def test_the_cost_benchmark_reports_each_mode_with_and_without_coverage() -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "coverage_cost.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--tests", "2", "--repeat", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = json.loads(proc.stdout)
+    assert set(figures["modes"]) == {"process", "thread", "local"}
+    for row in figures["modes"].values():
+        assert row["without: per test"] > 0 and row["with --cov: per test"] > 0
+        assert row["ratio"] == row["with --cov: per test"] / row["without: per test"]
+    assert set(figures["session_wall_s"]) == {"without", "with --cov"}
