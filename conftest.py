@@ -23,12 +23,15 @@ LONGEST_FIRST = (
     "tests/plugin/test_multinode.py",  # 58
     "tests/cli/test_check_hybrid.py",  # 57
     "tests/plugin/test_pool.py",  # 53
+    "tests/plugin/test_with_coverage.py",  # 47 (November 29, run alone)
     "tests/unittest_compat/test_torch_port.py",  # 45
     "tests/plugin/test_launchers.py",  # 44
     "tests/library/test_parity.py",  # 35
     "tests/unittest_compat/test_testcase.py",  # 34
     "tests/plugin/test_options.py",  # 32
+    "tests/plugin/test_with_timeout.py",  # 31 (November 29, run alone)
     "tests/cli/test_trace.py",  # 30
+    "tests/plugin/test_with_other_plugins.py",  # 26 (November 29, run alone)
     "tests/core/graph/test_trace.py",  # 26
     "tests/scale/test_local_exact.py",  # 26
     "tests/cli/test_plan.py",  # 26
@@ -42,6 +45,7 @@ LONGEST_FIRST = (
     "tests/core/test_hybrid.py",  # 19
     "tests/plugin/test_partial.py",  # 18
     "tests/plugin/test_soak.py",  # 16
+    "tests/plugin/test_with_debugger.py",  # 15 (November 29, run alone)
 )
 
 
