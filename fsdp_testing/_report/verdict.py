@@ -22,7 +22,7 @@ from fsdp_testing._report.failure import explanation, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.hang_report import stack_key, timeout_report, trim_stack
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase
+from fsdp_testing._report.text import ranks_heading, ranks_phrase
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
 
@@ -252,10 +252,9 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             + (stacks[ranks[0]] or "(no stack dump)")
         )
     broken = {r: failed[r] for r in aborted if r not in obs.stragglers}
+    calls = {c: call for c in causes if (call := _last_call(obs, c)) is not None}
     peers = ", ".join(
-        f"{rank_label(c, where)}: {call}"
-        for c in sorted(causes)[:4]
-        if (call := _last_call(obs, c)) is not None
+        f"{ranks_phrase(ranks, where)}: {calls[ranks[0]]}" for ranks in group_ranks(calls)[:4]
     )
     # Grouped by the error's type and the collective: gloo's messages name ports and addresses.
     keys = {r: (res.summary.split(":")[0], _last_call(obs, r)) for r, res in broken.items()}

@@ -272,6 +272,24 @@ def test_a_broken_collective_names_the_peer_that_failed_and_its_call() -> None:
     ) in message
 
 
+def test_failed_ranks_with_the_same_last_collective_are_named_once() -> None:
+    # Half of 64 local-mode ranks raise in a backward hook; the harness stops the other half.
+    failed = {r: _failed(r, _raise_value, r) for r in range(1, 64, 2)}
+    stopped = {
+        r: RankResult(r, Outcome.FAILED, summary="Aborted: aborted by the harness", comm_error=True)
+        for r in range(0, 64, 2)
+    }
+    records = {r: [_rec("broadcast", 4, "completed")] for r in failed}
+    records.update({r: [_rec("reduce_scatter", 5, "raised")] for r in stopped})
+    message = judge(_world({**failed, **stopped}, 64, records=records)).message
+    assert (
+        "[ranks 0, 2, 4, ..., 62 (32 of 64)] aborted: their collective (reduce_scatter #5 "
+        "[raised]) broke because ranks 1, 3, 5, ..., 63 failed (last collective of ranks 1, 3, "
+        "5, ..., 63: broadcast #4 [completed])\n"
+    ) in message + "\n"
+    _check_size(message, 100)
+
+
 def test_a_crash_in_a_collective_shows_the_collective_log() -> None:
     obs = _world(
         {},
