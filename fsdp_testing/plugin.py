@@ -298,6 +298,17 @@ def pytest_exception_interact(node: Any, call: pytest.CallInfo[Any], report: Any
         pytest.exit("Quitting debugger")
 
 
+def _rank_thread_breakpoints(config: pytest.Config, portable: bool) -> Any:
+    """``breakpoint()`` on rank threads under ``-s``: see [Note: debugging a rank]."""
+    import contextlib
+
+    if portable or config.getoption("capture", None) != "no":
+        return contextlib.nullcontext()
+    from fsdp_testing._integrations import debugging
+
+    return debugging.rank_thread_breakpoints()
+
+
 def _close_harness_window(item: pytest.Item) -> None:
     bridge = item.config.stash.get(_timeouts_key, None)
     if bridge is not None:
@@ -625,14 +636,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             portable = get_launcher(spec.mode).crosses_processes
             fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
             task = _build_task(pyfuncitem, portable=portable)
-            verdict = run_distributed(
-                task,
-                spec,
-                pyfuncitem.config.stash[_settings_key],
-                pool=False if fresh else None,
-                expect=expect,
-                limit=_open_harness_window(pyfuncitem, spec),
-            )
+            with _rank_thread_breakpoints(pyfuncitem.config, portable):
+                verdict = run_distributed(
+                    task,
+                    spec,
+                    pyfuncitem.config.stash[_settings_key],
+                    pool=False if fresh else None,
+                    expect=expect,
+                    limit=_open_harness_window(pyfuncitem, spec),
+                )
     finally:
         _close_harness_window(pyfuncitem)
     if debugging is not None and verdict.outcome is VerdictOutcome.FAILED:

@@ -21,8 +21,13 @@ distributed test, the parent's ``pytest.fail`` of the harness's report, whose fr
 - ``breakpoint()`` in a process-mode rank opens pdb on the same terminal for the first rank
   of the world that calls it (the others go on, with a line in their output); with no terminal
   it raises an error that says so. The test's timeout keeps running while pdb waits: give the
-  test a longer one (``timeout=`` on the marker, ``--dist-timeout``) to debug at leisure. In
-  the in-process modes ``breakpoint()`` is pytest's own (use ``-s``).
+  test a longer one (``timeout=`` on the marker, ``--dist-timeout``) to debug at leisure.
+- ``breakpoint()`` on a rank thread (thread, local, fake mode) is pytest's own while pytest
+  captures output: pytest suspends its capture for the session. Under ``-s`` nothing is
+  suspended, and a rank thread's ``sys.stdout`` is the harness's router, which keeps each
+  rank's output for its report: pdb's prompt would go there and the session would wait, unseen.
+  So, under ``-s``, while rank threads run, ``breakpoint()`` opens pdb on the process's own
+  standard streams (:func:`rank_thread_breakpoints`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "first_failure",
     "forget_sessions",
     "rank_failed",
+    "rank_thread_breakpoints",
     "serve_rank",
     "wait_for_rank_sessions",
 ]
@@ -205,6 +211,33 @@ def _debug_in_a_copy(exc: BaseException, rank: int, folder: str) -> None:
                 f.write(str(code))
             os.remove(os.path.join(folder, f"{os.getpid()}.pid"))
         os._exit(code)
+
+
+@contextlib.contextmanager
+def rank_thread_breakpoints() -> Iterator[None]:
+    """While in-process rank threads run under ``-s``: ``breakpoint()`` on one of them opens
+    pdb on ``sys.__stdout__``, past the harness's capture of the rank's output (see [Note:
+    debugging a rank])."""
+    previous = sys.breakpointhook
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        import pdb
+
+        frame = sys._getframe(1)  # the caller of breakpoint(), as pdb.set_trace() finds it
+        out, inp = sys.__stdout__, sys.__stdin__
+        if out is None or inp is None:
+            raise RuntimeError("breakpoint() on a rank thread: this process has no stdin/stdout")
+        out.write(
+            f"\n>>>>>>>>>> fsdp_testing: breakpoint() on a rank thread "
+            f"({threading.current_thread().name}) >>>>>>>>>>\n"
+        )
+        pdb.Pdb(stdin=inp, stdout=out).set_trace(frame)
+
+    sys.breakpointhook = hook
+    try:
+        yield
+    finally:
+        sys.breakpointhook = previous
 
 
 def _breakpoint(*args: Any, **kwargs: Any) -> None:

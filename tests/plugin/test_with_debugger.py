@@ -116,6 +116,33 @@ def test_pdb_opens_on_the_failing_ranks_frames_in_process(
     assert "1 failed, 1 passed" in proc.stdout
 
 
+RANK_THREAD_BREAKPOINT = """
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2, mode="{mode}")
+def test_breakpoint(rank):
+    value = rank + 100
+    if rank == 0:
+        breakpoint()
+    dist.barrier()
+"""
+
+
+@pytest.mark.parametrize(("mode", "capture"), [("thread", "-s"), ("local", "--capture=fd")])
+def test_breakpoint_on_a_rank_thread_talks_to_the_terminal(
+    pytester: pytest.Pytester, mode: str, capture: str
+) -> None:
+    # Under -s a rank thread's output is the harness's to keep for the report: pdb's must not
+    # be (it would wait for an answer to a prompt nobody sees).
+    pytester.makepyfile(test_it=RANK_THREAD_BREAKPOINT.format(mode=mode))
+    proc = _pytest(pytester.path, capture, stdin="p value\nc\n")
+    assert "test_it.py(10)test_breakpoint()" in proc.stdout, proc.stdout
+    assert "(Pdb) 100\n" in proc.stdout, proc.stdout
+    assert "1 passed" in proc.stdout
+
+
 def test_pdb_and_breakpoint_in_process_mode_use_the_terminal(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_a_breakpoint=BREAKPOINT, test_b_fails=FAILING.format(mode="process"))
     out, code = _pytest_on_a_terminal(
