@@ -7,7 +7,8 @@ test costs a few messages and the test body, not an interpreter start and ``impo
 What a test may leave behind is undone on every rank after every task (``RankState.restore``,
 run after the rank has sent its result, while the parent reports the test):
 RNG state, default dtype and device, grad mode, attributes of ``torch.distributed`` that the test
-patched, added or that our own flight recorder wraps, and extra process groups. A generation of
+patched, added or that our own flight recorder wraps, and extra process groups; each test's new
+groups meet in a store namespace of their own ([Note: a store namespace per test]). A generation of
 ranks is thrown away and forked anew from the fork server when it cannot be trusted: a rank
 died, timed out or was still running when a peer failed (it may be stuck in a collective), a
 rank's test failed or xfailed (it raised, maybe with a collective still in flight that the

@@ -36,6 +36,8 @@ class RankState:
         self._attrs = [dict(vars(m)) for m in self._modules]
         self._snapshots = [_snapshot(attrs) for attrs in self._attrs]
         self._groups = set(c10d._world.pg_map)
+        self._store: object = None  # the default group's own store, once a reset has seen it
+        self._resets = 0
 
     def restore(self) -> None:
         """Restore the captured state."""
@@ -48,6 +50,7 @@ class RankState:
         return [
             ("torch.distributed attributes", self._restore_attributes),
             ("process groups the test made", self._destroy_new_groups),
+            ("the store new groups meet in", self._fresh_group_store),
             ("DTensor sharding caches", _forget_dtensor_meshes),
             ("torch and Python RNG", self._restore_rng),
             ("default dtype, grad mode and device", self._restore_defaults),
@@ -83,6 +86,31 @@ class RankState:
                 dist.destroy_process_group(pg)
             except Exception:  # a group the test already broke: drop it all the same
                 c10d._world.pg_map.pop(pg, None)
+
+    def _fresh_group_store(self) -> None:
+        """Give the next test's new groups a store namespace of their own.
+
+        [Note: a store namespace per test] c10d names most groups from ``_group_count`` (kept
+        growing above), but a group made with ``use_local_synchronization=True``, and those of
+        ``split_group`` and ``new_subgroups_by_enumeration``'s helpers, are named by a hash of
+        their ranks: the same ranks give the same name in every test. Their rendezvous keys live
+        under that name in the default group's store, so on a warm rank the second test to make
+        such a group found the first test's keys and hung in ``new_group``. A fresh process has a
+        fresh store; here every test gets ``test<N>/`` of the same store, N counted alike on
+        every rank of a generation (each rank resets after each task).
+        """
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return
+        default = c10d._get_default_group()
+        backend, store = c10d._world.pg_map[default]
+        if self._store is None:
+            self._store = store
+        self._resets += 1
+        fresh = dist.PrefixStore(f"test{self._resets}/", self._store)  # type: ignore[arg-type]
+        c10d._world.pg_map[default] = (backend, fresh)
 
     def _restore_rng(self) -> None:
         import torch

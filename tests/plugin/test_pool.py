@@ -49,6 +49,14 @@ def test_a_new_group_after_a_reset_gets_a_fresh_name(pooled: tuple[Run, dict]) -
     assert case.outcome == "passed", case.text
 
 
+def test_a_group_named_by_its_ranks_is_made_again_in_the_next_test(
+    pooled: tuple[Run, dict],
+) -> None:
+    run, _ = pooled
+    case = run.cases["test_b4_group_named_by_its_ranks_again"]
+    assert case.outcome == "passed", case.text
+
+
 def test_dtensor_caches_forget_a_destroyed_group(pooled: tuple[Run, dict]) -> None:
     run, _ = pooled
     case = run.cases["test_b3_dtensor_on_a_new_group_over_the_same_ranks"]

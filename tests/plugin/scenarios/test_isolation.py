@@ -25,6 +25,8 @@ def test_a_changes_state(rank):
     _note("a", rank)
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234 + rank)
+    local = dist.new_group([0, 1], use_local_synchronization=True)  # named by its ranks
+    dist.all_reduce(torch.ones(1), group=local)
     group = dist.new_group([0, 1])
     assert _dtensor_sum(group) == 24  # leaves an entry in DTensor's sharding caches
     dist.all_reduce = lambda *a, **k: None
@@ -69,6 +71,16 @@ def test_b3_dtensor_on_a_new_group_over_the_same_ranks(rank):
     _note("b3", rank)
     # DTensor's caches compare meshes by ranks: test_a's destroyed group must not come back.
     assert _dtensor_sum(dist.new_group([0, 1])) == 24
+
+
+@pytest.mark.distributed(world_size=2, timeout=20)
+def test_b4_group_named_by_its_ranks_again(rank):
+    # test_a made a group over the same ranks named by a hash of them (the same name again):
+    # its rendezvous keys must not be found by this test's group.
+    group = dist.new_group([0, 1], use_local_synchronization=True)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    assert t.item() == 2
 
 
 def _dtensor_sum(group):
