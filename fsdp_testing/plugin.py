@@ -142,6 +142,10 @@ def pytest_configure(config: pytest.Config) -> None:
         set_session_settings(settings)
         _select_engine(config)
         _export_coverage()  # before a job's helper slot starts
+        if _job() is not None:
+            from fsdp_testing._integrations import seeds
+
+            config.stash[_seed_key] = seeds.export_for_ranks(config, in_a_job=True)
         _start_job(config)
         from fsdp_testing._integrations import timeouts
 
@@ -167,7 +171,10 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     job = _job()
     if job is None or job.rank == 0 or config.option.help or config.option.version:
         return None
+    from fsdp_testing._integrations import seeds
     from fsdp_testing._launch.job_slot import serve_slot
+
+    seeds.export_for_ranks(config, in_a_job=True)  # see [Note: per-rank seeds]
 
     return serve_slot(job)
 
@@ -209,23 +216,27 @@ def _export_coverage() -> None:
         rank_coverage.export_for_ranks()
 
 
+# pytest-randomly's seed the ranks reseed from (None: they do not): see [Note: per-rank seeds].
 _seed_key = pytest.StashKey["int | None"]()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     # After pytest-cov's own pytest_sessionstart, which starts measuring an xdist worker, and
-    # after pytest-randomly's pytest_configure, which settles its seed.
+    # after pytest-randomly's pytest_configure, which settles its seed (a job's ranks got
+    # theirs in pytest_configure).
     _export_coverage()
-    from fsdp_testing._integrations import seeds
+    if _seed_key not in session.config.stash:
+        from fsdp_testing._integrations import seeds
 
-    session.config.stash[_seed_key] = seeds.export_for_ranks(session.config)
+        session.config.stash[_seed_key] = seeds.export_for_ranks(session.config)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     from fsdp_testing._integrations import seeds
 
-    seed = seeds.session_seed(config)  # the header comes before pytest_sessionstart
+    # The header comes before pytest_sessionstart.
+    seed = seeds.session_seed(config, in_a_job=_job() is not None)
     return None if seed is None else seeds.describe(seed)
 
 

@@ -15,12 +15,17 @@ rank reseeds the same generators before the test body, with
 
 (:func:`rank_seed`): deterministic for a given ``--randomly-seed`` and test, different on each
 rank, as separate processes seeded by rank would be, and not the next rank's seed under the
-next ``--randomly-seed``. The parent puts ``randomly_seed`` in the
-environment (``ENV``) before any rank process starts (:func:`export_for_ranks`); rank threads
-read the same variable. The seeds are printed: the session's header says how they are made,
-and each distributed test carries one junitxml property per rank (``rank N seed``), also shown
-in a failure's report. torch's generator is left to the test (``torch.manual_seed``), as
-pytest-randomly leaves it: the harness restores it after each test.
+next ``--randomly-seed``. The parent puts ``randomly_seed`` in the environment (``ENV``) before
+any rank process starts (:func:`export_for_ranks`); rank threads read the same variable. The
+seeds are printed: the session's header says how they are made, and each distributed test
+carries one junitxml property per rank (``rank N seed``), also shown in a failure's report.
+torch's generator is left to the test (``torch.manual_seed``), as pytest-randomly leaves it:
+the harness restores it after each test.
+
+In a launched job (torchrun, srun) every process runs pytest-randomly with a seed of its own
+unless ``--randomly-seed=N`` is given: there, the ranks are reseeded with that seed only (each
+process exports it before it starts serving ranks), and otherwise left alone, with nothing
+printed.
 """
 
 from __future__ import annotations
@@ -40,20 +45,26 @@ ENV = "FSDP_TESTING_RANDOMLY_SEED"
 _reseeders: list[Callable[[int], None]] | None = None
 
 
-def session_seed(config: Any) -> int | None:
-    """pytest-randomly's seed when it is active and resets seeds before each test; else None."""
+def session_seed(config: Any, *, in_a_job: bool = False) -> int | None:
+    """pytest-randomly's seed when it is active and resets seeds before each test; else None.
+    ``in_a_job``: only a seed given on the command line (``--randomly-seed=N``), which every
+    process of a launched job shares; each picks a seed of its own otherwise."""
     if not config.pluginmanager.hasplugin("randomly"):
         return None
     if not config.getoption("randomly_reset_seed", True):
         return None
-    seed = config.getoption("randomly_seed", None)
+    if in_a_job:  # as parsed, before pytest-randomly's pytest_configure settles a seed
+        seed = getattr(config.known_args_namespace, "randomly_seed", None)
+    else:
+        seed = config.getoption("randomly_seed", None)
     return seed if isinstance(seed, int) else None
 
 
-def export_for_ranks(config: Any) -> int | None:
-    """In the parent: tell the ranks started from now on to reseed (see [Note: per-rank
-    seeds]); returns the session's seed, None when pytest-randomly does not reseed."""
-    seed = session_seed(config)
+def export_for_ranks(config: Any, *, in_a_job: bool = False) -> int | None:
+    """In the parent (or a job's process, before it starts serving ranks): tell the ranks
+    started from now on to reseed (see [Note: per-rank seeds]); returns the seed, None when
+    the ranks are not reseeded."""
+    seed = session_seed(config, in_a_job=in_a_job)
     if seed is None:
         os.environ.pop(ENV, None)
     else:

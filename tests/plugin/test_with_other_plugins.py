@@ -5,8 +5,11 @@ per rank. See fsdp_testing/_integrations/seeds.py and rank_properties.py."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 import zlib
 from pathlib import Path
@@ -105,6 +108,31 @@ def test_randomly_seeds_each_rank_deterministically_and_says_how(
             assert properties[f"{module}.test_draws"][f"rank {rank} seed"] == str(seed)
             draws.add(draw)
         assert len(draws) == 2
+
+
+def test_randomly_under_torchrun_seeds_the_ranks_with_the_given_seed(tmp_path: Path) -> None:
+    # Every process of a launched job runs pytest-randomly: with --randomly-seed=N they agree,
+    # and each rank (forked by its own process) reseeds from N.
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    (tmp_path / "test_job.py").write_text(SEEDED.format(mode=""))
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
+    pytest_args = ["-p", "no:cacheprovider", "-p", "randomly", "--randomly-seed=5", "test_job.py"]
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pytest", *pytest_args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "1 failed" in proc.stdout, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        seed = (5 + zlib.crc32(f"test_job.py::test_draws@rank{rank}".encode())) % 2**32
+        assert f"rank {rank} draws {random.Random(seed).random()!r}" in proc.stdout, proc.stdout
+        assert f"rank {rank} seed: {seed}" in proc.stdout
 
 
 def test_randomly_off_leaves_the_ranks_alone(pytester: pytest.Pytester) -> None:
