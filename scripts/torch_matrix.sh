@@ -70,9 +70,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" "torch==$version" || exit 1
   fi
   installed=$(torch_version)
-  # The package and its test extra, with torch held at the version installed above.
-  say "installing fsdp-testing[test] (editable) into $venv"
-  "${pip[@]}" -e "$repo[test]" "torch==$installed" || exit 1
+  # The package and its test extra, with torch held at the version installed above, and the
+  # build requirements of pyproject.toml: the suite builds this package without build isolation
+  # (tests/docs/test_own_project.py), and a new venv's setuptools can be too old for that.
+  build_reqs=$("$py" -c 'import tomllib
+print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))' \
+    2>/dev/null) || build_reqs="setuptools wheel"
+  say "installing fsdp-testing[test] (editable) and $build_reqs into $venv"
+  # shellcheck disable=SC2086 # one requirement a word
+  "${pip[@]}" -e "$repo[test]" "torch==$installed" $build_reqs || exit 1
   echo "$want" >"$stamp"
 fi
 installed=$(torch_version)

@@ -380,6 +380,8 @@ class LocalGroup(dist.ProcessGroup):
         payload = (output, input, output_split_sizes, input_split_sizes)
         return self._meet(sig, payload, finish, [output])
 
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # torch 2.11 calls this name
+
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._meet("barrier()", None, lambda payloads: None)
 

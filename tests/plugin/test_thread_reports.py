@@ -6,6 +6,7 @@ stopped in a collective is reported as stopped, never as a test body that called
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 MISMATCHES = """
 import pytest, torch, torch.distributed as dist
@@ -88,6 +89,10 @@ def test_a_stopped_peer_is_not_a_body_that_called_sys_exit(pytester: pytest.Pyte
     assert "aborted by the harness" not in text
 
 
+# The single-tensor all-gather as the installed torch spells it: torch 2.11 has
+# all_gather_into_tensor only; all_gather_single came later.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
 GATHER_OUTPUTS = """
 import pytest, torch, torch.distributed as dist
 
@@ -114,7 +119,7 @@ def test_an_all_gather_output_that_cannot_hold_the_inputs_fails(
 ) -> None:
     # torch's threaded group cuts the output in world-size pieces and copies each rank's input
     # into its piece, broadcasting one element into two: gloo raises, so thread mode does.
-    pytester.makepyfile(GATHER_OUTPUTS)
+    pytester.makepyfile(GATHER_OUTPUTS.replace("all_gather_single", ALL_GATHER))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=2, passed=1)
     result.stdout.fnmatch_lines(

@@ -5,6 +5,7 @@ errors inside the package's user-facing helpers keep the helper's frames."""
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 SAME_ASSERT = """
 import pytest, torch, torch.distributed as dist
@@ -61,6 +62,43 @@ def test_writing_the_report_does_not_count_against_the_timeout(pytester: pytest.
     assert text.count('raise ValueError("broken")') == 1
 
 
+SLOW_RANK = """
+import time
+
+import pytest
+from big import boom
+
+
+@pytest.mark.distributed(world_size=2)
+def test_slow_report_on_rank_1(rank):
+    if rank == 0:
+        raise ValueError("rank 0 broke")
+    time.sleep(0.2)  # rank 0 fails first
+    boom()
+"""
+
+
+def test_a_rank_process_writes_its_report_after_its_result(pytester: pytest.Pytester) -> None:
+    # Process mode: peers get one second after the first failure before they count as aborted.
+    # Rank 1 fails too, in a module of 60,000 lines: pytest parses the whole file of every
+    # frame it shows, seconds here. Rank 1 must be reported as failed with its own traceback,
+    # not as aborted while it wrote it.
+    lines = "\n".join(f"x_{i} = {i}" for i in range(60_000))
+    pytester.makepyfile(big=lines + '\n\n\ndef boom():\n    raise KeyError("rank 1 broke")\n')
+    pytester.makepyfile(SLOW_RANK)
+    pytester.syspathinsert()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "aborted" not in text and "still running" not in text, text
+    assert "ValueError: rank 0 broke" in text
+    assert 'raise KeyError("rank 1 broke")' in text  # rank 1's own traceback
+
+
+# The single-tensor all-gather as the installed torch spells it: torch 2.11 has
+# all_gather_into_tensor only; all_gather_single came later.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
 NAMES = """
 import pytest, torch, torch.distributed as dist
 
@@ -72,16 +110,18 @@ def test_names(rank):
 
 
 def test_local_mode_names_collectives_as_called(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(NAMES)
+    pytester.makepyfile(NAMES.replace("all_gather_single", ALL_GATHER))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*rank 0 issued all_gather_single(float32[[]2], float32[[]1]); rank 1 issued "
-            "all_gather_single(float32[[]4], float32[[]1])*"
+            f"*rank 0 issued {ALL_GATHER}(float32[[]2], float32[[]1]); rank 1 issued "
+            f"{ALL_GATHER}(float32[[]4], float32[[]1])*"
         ]
     )
-    assert "all_gather_into_tensor(" not in result.stdout.str()
+    # Never another spelling of the same collective than the one the test called.
+    others = {"all_gather_single", "all_gather_into_tensor", "_all_gather_base"} - {ALL_GATHER}
+    assert not [name for name in others if f"{name}(" in result.stdout.str()]
 
 
 HELPER = """
