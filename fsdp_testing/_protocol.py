@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "ENGINE_ENV",
     "RANK_FIXTURES",
+    "REPORT_TIMEOUT_S",
     "RESET_TIMEOUT_S",
     "ForkRanks",
     "Forked",
@@ -35,6 +36,7 @@ __all__ = [
     "RankFixture",
     "RankHello",
     "RankInitFailed",
+    "RankMessage",
     "RankReady",
     "RankReset",
     "RankResult",
@@ -43,6 +45,7 @@ __all__ = [
     "Statuses",
     "Stop",
     "Task",
+    "message_text",
 ]
 
 RANK_FIXTURES = ("rank", "world_size", "process_group", "device", "dist_backend")
@@ -134,6 +137,9 @@ class RankResult:
     pending: Any = dataclasses.field(default=None, repr=False, compare=False)
     """A failure the parent formats into ``message`` (a rank thread of the parent's process);
     see [Note: formatting a failure in the parent] in ``fsdp_testing/_report/failure.py``."""
+    message_follows: bool = False
+    """A rank process formats its failure after it sent this result, and sends the text as a
+    :class:`RankMessage` (see [Note: a rank's report is written off the clock])."""
     needs_restart: bool = False
     """The rank cannot serve another test (e.g. the body destroyed the default group)."""
     imported: tuple[str, ...] = ()
@@ -231,6 +237,39 @@ class RankInitFailed:
 RESET_TIMEOUT_S = 30.0
 """How long a warm rank may take to send :class:`RankReset` after its result (it restores a few
 attributes and destroys the groups the test made: milliseconds) before it counts as hung."""
+
+
+REPORT_TIMEOUT_S = 60.0
+"""How long a rank process may take to format its failure after its result (outside the test's
+timeout; see [Note: a rank's report is written off the clock])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMessage:
+    """The formatted failure of a rank whose :class:`RankResult` said ``message_follows``.
+
+    [Note: a rank's report is written off the clock]
+    A rank process sends its result as soon as its test body ends, the failure unformatted, and
+    formats the traceback (reading source files, pytest's repr machinery: seconds for a large
+    module on a loaded machine) after that. The parent counts a rank as reported when its result
+    comes, so writing the report neither counts against the test's timeout nor makes a rank
+    still writing it look "aborted" when a peer failed first; the parent then reads each
+    message, waiting up to ``REPORT_TIMEOUT_S``. Rank threads (thread and local mode) leave the
+    formatting to the parent itself ([Note: formatting a failure in the parent]).
+    """
+
+    rank: int
+    text: str
+
+
+def message_text(rank: int, result: RankResult, message: object) -> str:
+    """The traceback a rank sent after ``result``, or why there is none."""
+    if isinstance(message, RankMessage):
+        return message.text
+    return (
+        f"{result.summary}\n(rank {rank} sent no traceback within {REPORT_TIMEOUT_S:.0f} s of its "
+        "result: it ended or hung while formatting it)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

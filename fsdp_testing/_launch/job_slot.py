@@ -402,6 +402,11 @@ class Slot:
                     status = self._reap(child)
                     self._post(key, Died(status, child.read_log(4000), child.records()))
                     return
+                if result.message_follows:  # [Note: a rank's report is written off the clock]
+                    result.message = _protocol.message_text(
+                        self._rank, result, self._follow_up(child)
+                    )
+                    result.message_follows = False
                 self._post(key, Finished(result, child.records()))
                 self._imports.update(dict.fromkeys(result.imported))
                 if result.needs_restart:
@@ -411,6 +416,20 @@ class Slot:
                 return
             if self._message_waiting():
                 return  # a dump or the end of the session: the main loop answers it
+
+    def _follow_up(self, child: _Child) -> object:
+        """The message ``child`` sends after a result whose traceback follows (None if none
+        came within ``REPORT_TIMEOUT_S``); the slot keeps beating while it waits."""
+        assert child.conn is not None
+        deadline = time.monotonic() + _protocol.REPORT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._beat()
+            if child.conn.poll(POLL_S):
+                try:
+                    return child.conn.recv()
+                except (EOFError, OSError):
+                    return None
+        return None
 
     def _await_reset(self, child: _Child) -> str | None:
         """None once ``child`` says it reset itself after its last task; else why it did not

@@ -43,6 +43,7 @@ from typing import cast
 from fsdp_testing._launch.deadline import Deadline, pg_timeout_for
 from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._protocol import (
+    REPORT_TIMEOUT_S,
     RESET_TIMEOUT_S,
     Forked,
     ForkRanks,
@@ -57,6 +58,7 @@ from fsdp_testing._protocol import (
     StatusQuery,
     Stop,
     Task,
+    message_text,
 )
 from fsdp_testing._report import collective_log
 from fsdp_testing._report.observation import Observation
@@ -393,6 +395,7 @@ class ProcessLauncher:
             for rank in obs.stragglers:
                 obs.stacks[rank] = _strip_output(gen.read_log(rank, offsets[rank]), rank, obs)
             self._kill([gen.pids[r] for r in obs.stragglers])
+        self._read_messages(gen, obs)
         failed = any(r.outcome is Outcome.FAILED for r in obs.results.values())
         if failed or obs.stragglers or obs.dead:  # only a failure's report reads them
             for rank in range(gen.world_size):
@@ -405,6 +408,21 @@ class ProcessLauncher:
                 obs.exit_status[rank] = statuses.get(gen.pids[rank]) or "exited"
                 obs.last_output[rank] = gen.read_log(rank, offsets[rank])
         return obs
+
+    def _read_messages(self, gen: _Generation, obs: Observation) -> None:
+        """Fill in the tracebacks ranks formatted after their results, off the test's clock
+        (see [Note: a rank's report is written off the clock] in ``_protocol.py``)."""
+        deadline = Deadline(REPORT_TIMEOUT_S)
+        for rank, result in sorted(obs.results.items()):
+            if not result.message_follows:
+                continue
+            conn = gen.conns[rank]
+            try:
+                message = conn.recv() if conn.poll(deadline.remaining()) else None
+            except (EOFError, OSError):
+                message = None
+            result.message = message_text(rank, result, message)
+            result.message_follows = False
 
     def shutdown(self) -> None:
         """Stop every rank and the fork server; remove the session's files."""

@@ -28,6 +28,7 @@ from fsdp_testing._protocol import (
     GenerationSpec,
     RankHello,
     RankInitFailed,
+    RankMessage,
     RankReady,
     RankReset,
     RankResult,
@@ -37,7 +38,7 @@ from fsdp_testing._rank.capture import install_router
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
 from fsdp_testing._rank.state_reset import RankState
-from fsdp_testing._report import collective_log
+from fsdp_testing._report import collective_log, failure
 
 __all__ = [
     "STACK_SIGNAL",
@@ -200,6 +201,7 @@ def serve(
     collective_log.install(lambda: recorder)
     state = RankState()
     router = install_router(tee=log)
+    failure.format_in_parent()  # kept as Pending: formatted after the result is sent, below
     import torch.distributed as dist
 
     imports = ImportWatch()
@@ -228,8 +230,12 @@ def serve(
             result.needs_restart = True
         result.imported = imports.new()
         rank_coverage.save_in_rank()  # before the parent, told of a failure, may kill this rank
+        pending, result.pending = result.pending, None
+        result.message_follows = pending is not None
         try:
             conn.send(result)
+            if pending is not None:  # see [Note: a rank's report is written off the clock]
+                conn.send(RankMessage(rank, _formatted(pending)))
         except (OSError, pickle.PicklingError):
             os._exit(0)
         if result.needs_restart:
@@ -246,6 +252,15 @@ def serve(
             conn.send(RankReset(rank, traceback.format_exc()))
             os._exit(1)
         conn.send(RankReset(rank))
+
+
+def _formatted(pending: failure.Pending) -> str:
+    """The traceback of a failure kept for after the result (never raises: a rank must answer)."""
+    try:
+        return pending.format()
+    except BaseException as exc:  # any error here is reported, not raised
+        error = f"{type(pending.exc).__name__}: {pending.exc}"
+        return f"{error}\n(formatting its traceback failed: {exc!r})"
 
 
 def _join(rank: int, spec: GenerationSpec) -> RankContext:
