@@ -24,6 +24,7 @@ from fsdp_testing._launch.spec import (
 )
 from fsdp_testing._launch.torchrun import job_env
 from fsdp_testing._protocol import ENGINE_ENV, RANK_FIXTURES, FunctionRef, RankFixture, Task
+from fsdp_testing._rank import temp_paths
 
 __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 
@@ -592,6 +593,7 @@ def _build_task(item: pytest.Function, *, portable: bool) -> Task:
         kwargs = {"self": item.instance, **kwargs}
     from fsdp_testing._integrations.rank_properties import RECORDING_FIXTURES
 
+    kwargs = {name: temp_paths.portable(value) for name, value in kwargs.items()}
     for name, value in kwargs.items():
         if isinstance(value, RankFixture):
             continue

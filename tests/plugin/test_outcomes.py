@@ -34,6 +34,11 @@ def test_fixtures_and_parameters_reach_the_ranks(run: Run) -> None:
     assert case.outcome == "passed", case.text
 
 
+def test_tmp_path_factory_reaches_the_ranks(run: Run) -> None:
+    case = run.cases["test_tmp_path_factory_reaches_ranks"]
+    assert case.outcome == "passed", case.text
+
+
 def test_unpicklable_fixture_is_named(run: Run) -> None:
     case = run.cases["test_unpicklable_fixture"]
     assert case.outcome == "failed"

@@ -45,6 +45,16 @@ def test_fixtures_reach_ranks(rank, tmp_path, scale, widget):
 
 
 @pytest.mark.distributed(world_size=2)
+def test_tmp_path_factory_reaches_ranks(rank, tmp_path_factory):
+    # After test_fixtures_reach_ranks used tmp_path, pytest's factory holds an exit stack and
+    # cannot be pickled: the ranks get a stand-in over the same base folder.
+    mine = tmp_path_factory.mktemp("ckpt")
+    names = [None, None]
+    dist.all_gather_object(names, mine.name)
+    assert names[0] != names[1] and mine.parent == tmp_path_factory.getbasetemp()
+
+
+@pytest.mark.distributed(world_size=2)
 def test_unpicklable_fixture(rank, unpicklable):
     pass
 
