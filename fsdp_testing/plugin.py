@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import importlib
 import os
-import pickle
 import sys
 from typing import Any
 
 import pytest
 
-from fsdp_testing._launch.spec import (
-    DEFAULT_TIMEOUT_S,
-    MARKER_SIGNATURE,
-    DistSpec,
-    Mode,
-    parse_marker,
-)
+from fsdp_testing._launch.marker_items import parametrize, spec_of_item
+from fsdp_testing._launch.options import add_options, configure_cpu_world_size, settings_from
+from fsdp_testing._launch.spec import MARKER_SIGNATURE, DistSpec, Mode
+from fsdp_testing._launch.task_build import build_task
 from fsdp_testing._launch.torchrun import job_env
-from fsdp_testing._protocol import ENGINE_ENV, RANK_FIXTURES, FunctionRef, RankFixture, Task
-from fsdp_testing._rank import temp_paths
+from fsdp_testing._protocol import ENGINE_ENV, RankFixture
 
 __all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
 
-_WS_PARAM = "_fsdp_testing_world_size"
-_RANK_PARAM = "_fsdp_testing_fake_rank"
 _settings_key = pytest.StashKey["Any"]()
 _engine_env_key = pytest.StashKey["str | None"]()
 _exit_status_key = pytest.StashKey[int]()
@@ -42,78 +35,7 @@ _MISSING: Any = object()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("fsdp_testing", "distributed tests (fsdp_testing)")
-    group.addoption(
-        "--dist-timeout",
-        dest="dist_timeout",
-        default=None,
-        metavar="SECONDS",
-        help=f"seconds before a distributed test counts as hung (default {DEFAULT_TIMEOUT_S:g}).",
-    )
-    group.addoption(
-        "--dist-backend",
-        dest="dist_backend",
-        default=None,
-        metavar="NAME",
-        help="backend for process-mode tests whose marker names none (gloo or nccl; default: "
-        "nccl when CUDA has enough devices, else gloo).",
-    )
-    group.addoption(
-        "--no-dist-pool",
-        dest="dist_pool",
-        action="store_false",
-        default=None,
-        help="start fresh rank processes for every test instead of keeping them warm.",
-    )
-    group.addoption(
-        "--fsdp-engine",
-        dest="fsdp_engine",
-        default=None,
-        metavar="NAME",
-        help="engine the reference models and parity checks shard with: fsdp_core (default), "
-        "torch_fsdp1 or torch_fsdp2.",
-    )
-    group.addoption(
-        "--cpu-world-size",
-        dest="cpu_world_size",
-        default=None,
-        metavar="N",
-        help="ranks for torch-style test classes whose world_size comes out as 0 on a machine "
-        "without GPUs (default 2; never fewer than their skip_if_lt_x_gpu(n)).",
-    )
-    parser.addini("cpu_world_size", "default --cpu-world-size", default=None)
-    parser.addini("dist_timeout", "default --dist-timeout", default=None)
-    parser.addini("fsdp_engine", "default --fsdp-engine", default=None)
-    parser.addini("dist_backend", "default --dist-backend", default=None)
-    parser.addini("dist_pool", "keep rank processes warm between tests", type="bool", default=True)
-
-
-def _settings_from(config: pytest.Config) -> Any:
-    from fsdp_testing.launcher import LaunchSettings
-
-    raw_timeout = config.getoption("dist_timeout") or config.getini("dist_timeout")
-    timeout = DEFAULT_TIMEOUT_S
-    if raw_timeout not in (None, ""):
-        try:
-            timeout = float(raw_timeout)
-        except (TypeError, ValueError):
-            timeout = -1.0
-        if not timeout > 0:
-            raise pytest.UsageError(
-                f"--dist-timeout / dist_timeout must be a positive number of seconds, got "
-                f"{raw_timeout!r}"
-            )
-    backend = config.getoption("dist_backend") or config.getini("dist_backend") or None
-    if backend is not None and backend not in ("gloo", "nccl"):
-        raise pytest.UsageError(
-            f"--dist-backend / dist_backend must be gloo or nccl, got {backend!r} "
-            "(thread, local and fake modes are chosen on the marker: mode='thread', "
-            "mode='local' or mode='fake')"
-        )
-    pool = config.getoption("dist_pool")
-    if pool is None:
-        pool = bool(config.getini("dist_pool"))
-    return LaunchSettings(timeout=timeout, backend=backend, pool=pool)
+    add_options(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -135,8 +57,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     # A collective in a test that is not distributed: see fsdp_testing/_report/no_group.py.
     config.pluginmanager.register(importlib.import_module("fsdp_testing._report.no_group"))
-    config.stash[_settings_key] = settings = _settings_from(config)
-    _configure_cpu_world_size(config)
+    config.stash[_settings_key] = settings = settings_from(config)
+    configure_cpu_world_size(config)
     if not config.option.help:
         from fsdp_testing.launcher import set_session_settings
 
@@ -332,20 +254,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[_exit_status_key] = int(exitstatus)
 
 
-def _configure_cpu_world_size(config: pytest.Config) -> None:
-    from fsdp_testing._unittest.world import set_cpu_world_size
-
-    raw = config.getoption("cpu_world_size") or config.getini("cpu_world_size")
-    if raw in (None, ""):
-        return
-    try:
-        set_cpu_world_size(int(str(raw).strip()))
-    except ValueError:
-        raise pytest.UsageError(
-            f"--cpu-world-size / cpu_world_size must be a positive number of ranks, got {raw!r}"
-        ) from None
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     # A torch-style test run at another world size than its class declares says so.
@@ -400,47 +308,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(config.stash[_pdb_dir_key], ignore_errors=True)
 
 
-def _marker_specs(node: Any) -> list[DistSpec] | None:
-    marker = node.get_closest_marker("distributed")
-    if marker is None:
-        return None
-    return parse_marker(marker.args, marker.kwargs)
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    specs = _marker_specs(metafunc.definition)
-    if specs is None:
-        return
-    marker = metafunc.definition.get_closest_marker("distributed")
-    assert marker is not None
-    ws_arg = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
-    if isinstance(ws_arg, (list, tuple)):
-        metafunc.fixturenames.append(_WS_PARAM)
-        sizes = list(dict.fromkeys(s.world_size for s in specs))
-        metafunc.parametrize(_WS_PARAM, sizes, ids=[f"ws{n}" for n in sizes])
-    if isinstance(marker.kwargs.get("rank"), (list, tuple)):
-        metafunc.fixturenames.append(_RANK_PARAM)
-        ranks = list(dict.fromkeys(s.rank for s in specs))
-        metafunc.parametrize(_RANK_PARAM, ranks, ids=[f"rank{r}" for r in ranks])
+    parametrize(metafunc)
 
 
 def _spec_of(item: pytest.Item) -> DistSpec | None:
     spec = item.stash.get(_spec_key, _MISSING)
     if spec is _MISSING:
-        spec = item.stash[_spec_key] = _parse_spec_of(item)
+        spec = item.stash[_spec_key] = spec_of_item(item)
     return spec
-
-
-def _parse_spec_of(item: pytest.Item) -> DistSpec | None:
-    specs = _marker_specs(item)
-    if specs is None:
-        return None
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if _WS_PARAM in params:
-        specs = [s for s in specs if s.world_size == params[_WS_PARAM]]
-    if _RANK_PARAM in params:
-        specs = [s for s in specs if s.rank == params[_RANK_PARAM]]
-    return specs[0]
 
 
 # [Note: a test sent at the end of its setup]
@@ -495,7 +371,7 @@ def _send_ahead(item: pytest.Item, spec: DistSpec) -> None:
     if bridge is not None and bridge.func_only_pending(item):
         return  # pytest-timeout times the call only: its limit is known there
     try:
-        task = _build_task(item, portable=True)
+        task = build_task(item, portable=True)
     except TypeError:
         return  # raised again by the call, where it belongs
     from fsdp_testing.launcher import send_ahead
@@ -566,59 +442,6 @@ def dist_backend(request: pytest.FixtureRequest) -> str:
     return resolve_backend(spec, request.config.stash[_settings_key].backend)
 
 
-def _local_task(item: pytest.Function) -> Task:
-    """The test as a task for ranks in this process: the function itself, with the fixtures
-    whose value differs per rank (rank, process group, device) left for the rank to fill in."""
-    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
-    for name in RANK_FIXTURES:
-        if name in kwargs and name not in ("world_size", "dist_backend"):
-            kwargs[name] = RankFixture(name)
-    tbstyle = str(item.config.getoption("tbstyle", "auto"))
-    return Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
-
-
-def _build_task(item: pytest.Function, *, portable: bool) -> Task:
-    """The test as a task; ``portable``: one that another process can unpickle and import."""
-    task = _local_task(item)
-    if not portable:
-        return task
-    kwargs, tbstyle = task.kwargs, task.tbstyle
-    func = getattr(item.obj, "__func__", item.obj)
-    if "<locals>" in func.__qualname__:
-        raise TypeError(
-            f"{item.nodeid}: process-mode distributed tests must be module-level functions or "
-            "methods of module-level classes, so the ranks can import them"
-        )
-    if item.instance is not None:
-        kwargs = {"self": item.instance, **kwargs}
-    from fsdp_testing._integrations.rank_properties import RECORDING_FIXTURES
-
-    kwargs = {name: temp_paths.portable(value) for name, value in kwargs.items()}
-    for name, value in kwargs.items():
-        if isinstance(value, RankFixture):
-            continue
-        if name in RECORDING_FIXTURES:
-            raise TypeError(
-                f"{item.nodeid}: {name} records into the pytest process's report and cannot be "
-                "called on a process-mode rank. Each rank's ending is recorded already (junitxml "
-                "properties 'rank N'); call it from a fixture of the test, which runs in the "
-                "pytest process, or use mode='thread'"
-            )
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            what = "the test class instance" if name == "self" else f"fixture or parameter {name!r}"
-            raise TypeError(
-                f"{item.nodeid}: {what} ({type(value).__name__}) cannot be sent to the rank "
-                f"processes: {exc}. Make it picklable, build it inside the test body, or use "
-                "mode='thread'."
-            ) from None
-    module = item.module
-    assert module is not None
-    ref = FunctionRef(module.__name__, getattr(module, "__file__", None), func.__qualname__)
-    return Task(target=ref, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = _spec_of(pyfuncitem)
@@ -648,7 +471,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         else:
             portable = get_launcher(spec.mode).crosses_processes
             fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
-            task = _build_task(pyfuncitem, portable=portable)
+            task = build_task(pyfuncitem, portable=portable)
             with _rank_thread_breakpoints(pyfuncitem.config, portable):
                 verdict = run_distributed(
                     task,

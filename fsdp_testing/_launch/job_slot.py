@@ -27,6 +27,7 @@ from typing import Any
 
 from fsdp_testing import _protocol
 from fsdp_testing._launch.fork_server import describe_status
+from fsdp_testing._launch.job_child import RankChild, split_dump
 from fsdp_testing._launch.job_messages import (
     POLL_S,
     Died,
@@ -47,12 +48,10 @@ from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._launch.torchrun import JobEnv, job_env
 from fsdp_testing._protocol import GenerationSpec, RankHello, RankInitFailed, RankReset
 from fsdp_testing._rank.context import RankContext
-from fsdp_testing._report import collective_log
 from fsdp_testing._report.hang_report import stack_sources
 
 __all__ = ["COORDINATOR_KEY", "HELPER_ENV", "Coordinator", "Slot", "main", "serve_slot"]
 
-_THIS_FILE = os.path.join("fsdp_testing", "_launch", "job_slot.py")
 HELPER_ENV = "FSDP_TESTING_JOB_SLOT_HELPER"
 """Set in the helper process that is the first process's own slot."""
 COORDINATOR_KEY = "coordinator"
@@ -75,60 +74,6 @@ class Coordinator:
     node: int | None
     report: str
     """Where the report is: ``"rank 0's terminal"``, with the JUnit XML path when written."""
-
-
-@dataclasses.dataclass
-class _Child:
-    gen: int
-    pid: int
-    conn: Connection | None
-    gen_dir: str
-    rank: int
-    offset: int = 0
-    """Size of the rank's log when its current task started."""
-    reset_pending: bool = False
-    """It ran a task and will say whether it reset itself (:class:`RankReset`)."""
-
-    def read_log(self, limit: int = 20000) -> str:
-        try:
-            with open(os.path.join(self.gen_dir, f"rank{self.rank}.log"), "rb") as f:
-                f.seek(self.offset)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
-        return text if len(text) <= limit else "...\n" + text[-limit:]
-
-    def log_size(self) -> int:
-        try:
-            return os.path.getsize(os.path.join(self.gen_dir, f"rank{self.rank}.log"))
-        except OSError:
-            return 0
-
-    def records(self) -> list[dict[str, Any]]:
-        return collective_log.read_record_file(
-            os.path.join(self.gen_dir, f"rank{self.rank}.flight")
-        )
-
-
-def _split_dump(log: str) -> tuple[str, str]:
-    """A straggler's log: (what it printed, its SIGUSR1 stack dump) without the frames it
-    inherited from its slot, which forked it deep inside pytest's own ``main``."""
-    output, stack = log, ""
-    for marker in ("Thread 0x", "Current thread 0x"):
-        at = log.find(marker)
-        if at >= 0:
-            output, stack = log[:at], log[at:]
-            break
-    kept: list[str] = []
-    forked = False
-    for line in stack.splitlines():
-        if not line.startswith(" "):
-            forked = False  # a thread's heading: its frames follow, innermost first
-        elif _THIS_FILE in line:
-            forked = True
-        if not forked:
-            kept.append(line)
-    return output, "\n".join(kept)
 
 
 def _join_world(
@@ -169,7 +114,7 @@ class Slot:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self._address)
         self._listener.listen(4)
-        self._children: dict[int, _Child] = {}
+        self._children: dict[int, RankChild] = {}
         self._next = 0
         self._last_beat = 0.0
         self._last_message = time.monotonic()
@@ -335,7 +280,7 @@ class Slot:
         deadline = time.monotonic() + START_TIMEOUT_S
         self._listener.settimeout(POLL_S)
         conn: Connection | None = None
-        child = _Child(gen, pid, None, gen_dir, self._rank)
+        child = RankChild(gen, pid, None, gen_dir, self._rank)
         while time.monotonic() < deadline:
             self._beat()
             if self._message_waiting():
@@ -417,7 +362,7 @@ class Slot:
             if self._message_waiting():
                 return  # a dump or the end of the session: the main loop answers it
 
-    def _follow_up(self, child: _Child) -> object:
+    def _follow_up(self, child: RankChild) -> object:
         """The message ``child`` sends after a result whose traceback follows (None if none
         came within ``REPORT_TIMEOUT_S``); the slot keeps beating while it waits."""
         assert child.conn is not None
@@ -431,7 +376,7 @@ class Slot:
                     return None
         return None
 
-    def _await_reset(self, child: _Child) -> str | None:
+    def _await_reset(self, child: RankChild) -> str | None:
         """None once ``child`` says it reset itself after its last task; else why it did not
         (it is then ended). See [Note: warm pool isolation] in ``pool.py``."""
         assert child.conn is not None
@@ -463,12 +408,12 @@ class Slot:
         except OSError:
             pass
         self._pause(STACK_DUMP_WAIT_S)
-        output, stack = _split_dump(child.read_log())
+        output, stack = split_dump(child.read_log())
         records = child.records()
         self._kill(child)
         self._post(key, Dumped(stack, stack_sources(stack), output, records))
 
-    def _reap(self, child: _Child, wait_s: float = 2.0) -> str:
+    def _reap(self, child: RankChild, wait_s: float = 2.0) -> str:
         """How ``child`` ended (it is ending); killed if it has not within ``wait_s``."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -494,7 +439,7 @@ class Slot:
             except OSError:
                 pass
 
-    def _kill(self, child: _Child) -> None:
+    def _kill(self, child: RankChild) -> None:
         if child.conn is not None:
             child.conn.close()
         self._signal(child.pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fsdp_testing._launch.job_slot import _split_dump
+from fsdp_testing._launch.job_child import split_dump
 from fsdp_testing._launch.torchrun import JobEnv, expand_nodelist, read_job_env
 from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.hang_report import readable_stack, stack_sources
@@ -201,7 +201,7 @@ def test_a_slots_dump_drops_the_frames_its_rank_inherited_from_the_fork() -> Non
         '  File "/pkg/fsdp_testing/plugin.py", line 141 in pytest_cmdline_main\n'
         '  File "/venv/_pytest/config/__init__.py", line 262 in _main\n'
     )
-    output, stack = _split_dump(log)
+    output, stack = split_dump(log)
     assert output == "printed before\n"
     assert stack.splitlines() == [
         "Current thread 0x00007f (most recent call first):",
