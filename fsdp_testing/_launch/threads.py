@@ -51,6 +51,22 @@ class _QuietCollectiveErrors(logging.Filter):
         self._logger.removeFilter(self)
 
 
+def _settle_cuda_device_guard() -> None:
+    """Register torch's no-op CUDA device guard from this thread, before any rank thread can.
+
+    ``FakeTensorMode`` registers it on entry when no GPU is there. In torch 2.10 and 2.11's CUDA
+    builds, a thread that enters one after another thread that did so has ended crashes the
+    process (a segmentation fault in ``_ensureCUDADeviceGuardSet``): two tests whose rank
+    threads use fake tensors, one after the other, in one worker. Registered once from the
+    thread that outlives the ranks, every later entry finds it set (what the entry would have
+    done; CUDA calls fail as before)."""
+    import torch
+
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and not torch.cuda.is_available():
+        ensure()
+
+
 def run_rank_threads(
     task: Task,
     *,
@@ -74,6 +90,7 @@ def run_rank_threads(
     import torch
     import torch.distributed as dist
 
+    _settle_cuda_device_guard()
     state = RankState()
     saved_streams = (sys.stdout, sys.stderr)
     recorders = {r: collective_log.FlightRecorder() for r in ranks}

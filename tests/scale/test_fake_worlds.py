@@ -133,3 +133,16 @@ def test_unittest_class_plays_each_listed_rank() -> None:
     assert failure[0].id().endswith("test_fails_at_517")
     assert "[fake rank 517] rank 517 failed: AssertionError" in failure[1]
     assert "[fake rank 0]" not in failure[1]
+
+
+@pytest.mark.parametrize("run", [1, 2, 3])
+@pytest.mark.distributed(world_size=64, mode="fake")
+def test_fake_tensors_in_one_rank_thread_after_another(run: int, rank: int) -> None:
+    """Each run's rank thread enters a FakeTensorMode after the previous run's thread did and
+    ended: in torch 2.10 and 2.11's CUDA builds on a machine without a GPU that crashed the
+    process unless the harness registered CUDA's no-op device guard first (threads.py)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        weight = nn.Linear(8, 30).weight
+    assert isinstance(weight, FakeTensor) and weight.shape == (30, 8)
