@@ -159,6 +159,7 @@ def test_pdb_and_breakpoint_in_process_mode_use_the_terminal(pytester: pytest.Py
     breakpoint_session = out[found.end() :]
     assert f"(Pdb) p value\n{100 + int(found.group(1))}\n" in breakpoint_session, out
     # The failing rank's post-mortem, on its own frames, before pytest's own on the parent.
+    assert "fsdp_testing: rank 1 failed: post-mortem on its own frames" in out, out
     rank_session = out.split("fsdp_testing: rank 1 failed: post-mortem on its own frames")[1]
     assert "test_b_fails.py(8)check()" in rank_session, out
     assert "(Pdb) p secret\n17\n(Pdb) p rank\n1\n" in rank_session, out
