@@ -66,7 +66,14 @@ from fsdp_testing._launch.job_slot import (
     Coordinator,
 )
 from fsdp_testing._launch.torchrun import JobEnv
-from fsdp_testing._protocol import ENGINE_ENV, Outcome, RankResult, Task
+from fsdp_testing._protocol import (
+    ENGINE_ENV,
+    REPORT_TIMEOUT_S,
+    Outcome,
+    RankResult,
+    Task,
+    message_text,
+)
 from fsdp_testing._report.observation import Observation
 
 __all__ = ["JobLauncher"]
@@ -347,6 +354,14 @@ class JobLauncher:
         obs.timed_out = deadline.timed_out(bool(pending))
         if pending:
             self._dump(world, task_id, obs, test)
+        # The tracebacks ranks wrote after their results, off the test's clock (see [Note: a
+        # rank's report is written off the clock] in _protocol.py).
+        follow = {s: f"msg/{task_id}/{s}" for s, r in obs.results.items() if r.message_follows}
+        texts = self._poll(follow, REPORT_TIMEOUT_S, f"writing its report of {test}")
+        for slot in follow:
+            result = obs.results[slot]
+            result.message = texts.get(slot) or message_text(slot, result, None)
+            result.message_follows = False
         return obs
 
     def _dump(self, world: _World, task_id: int, obs: Observation, test: str) -> None:

@@ -16,6 +16,8 @@ process it starts. All keys live under ``fsdp_testing/<job id>/``:
 - ``ready/<g>/<s>``: a slot's :class:`Ready` for generation ``g`` (its rank joined the world).
 - ``task/<k>``: the pickled :class:`~fsdp_testing._protocol.Task` of test ``k``.
 - ``res/<k>/<s>``: how rank ``s`` ended test ``k`` (:class:`Finished` or :class:`Died`).
+- ``msg/<k>/<s>``: the traceback rank ``s`` wrote after a failed result of test ``k`` (a str;
+  [Note: a rank's report is written off the clock] in ``_protocol.py``).
 - ``dump/<k>/<s>``: a straggler's :class:`Dumped` stack and collective log.
 - ``gen/<g>/...``: the process group of generation ``g`` (c10d's own keys), one prefix per world
   so a rebuilt world never meets the keys of a broken one.

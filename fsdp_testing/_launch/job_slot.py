@@ -347,12 +347,10 @@ class Slot:
                     status = self._reap(child)
                     self._post(key, Died(status, child.read_log(4000), child.records()))
                     return
-                if result.message_follows:  # [Note: a rank's report is written off the clock]
-                    result.message = _protocol.message_text(
-                        self._rank, result, self._follow_up(child)
-                    )
-                    result.message_follows = False
                 self._post(key, Finished(result, child.records()))
+                if result.message_follows:  # [Note: a rank's report is written off the clock]
+                    text = _protocol.message_text(self._rank, result, self._follow_up(child))
+                    self._post(f"msg/{msg.task_id}/{self._rank}", text)
                 self._imports.update(dict.fromkeys(result.imported))
                 if result.needs_restart:
                     self._kill(self._children.pop(msg.gen))

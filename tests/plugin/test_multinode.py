@@ -183,6 +183,8 @@ def test_a_failing_rank_is_named_with_its_node(torchrun_job: Job) -> None:
     outcome, text = torchrun_job.case("test_rank_three_fails")
     assert outcome == "failed"
     assert "rank 3 (node 1, local rank 1) failed: AssertionError: rank three disagrees" in text
+    # Its traceback, written on the rank after its result was sent, reached the report.
+    assert '>       assert rank != 3, "rank three disagrees"' in text, text
 
 
 def test_a_hang_names_the_hung_rank_and_its_line_and_the_next_test_passes(
