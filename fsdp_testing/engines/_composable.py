@@ -19,7 +19,8 @@ sharding_strategy             FULL_SHARD: ``reshard_after_forward`` left to the
                               HYBRID_SHARD, _HYBRID_SHARD_ZERO2: the same on a 2-D
                               ``device_mesh`` (replicate, shard): HSDP
 cpu_offload                   ``offload_policy=CPUOffloadPolicy(pin_memory=...)``
-mixed_precision               ``mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype)``
+mixed_precision               ``mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype)``,
+                              ``reduce_dtype=None`` as ``param_dtype`` (FSDP1's meaning)
 auto_wrap_policy              ``fully_shard`` on each selected submodule, bottom-up
 ignored_modules               ``ignored_params`` = their parameters
 device_id                     the module is moved there and the mesh uses its type
@@ -199,8 +200,10 @@ class ComposableEngine(BaseEngine):
                 raise self._unsupported("mixed_precision.buffer_dtype", mixed.buffer_dtype)
             if getattr(mixed, "keep_low_precision_grads", False):
                 raise self._unsupported("mixed_precision.keep_low_precision_grads", True)
+            # FSDP1's reduce_dtype=None means param_dtype; FSDP2's means the gradient's own
+            # dtype from torch 2.15 (float32 for float32 parameters), so it is passed as such.
             result["mp_policy"] = self.impl.MixedPrecisionPolicy(
-                param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
+                param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype or mixed.param_dtype
             )
         prefetch = fsdp_kwargs.get("backward_prefetch")
         if prefetch is not None and getattr(prefetch, "name", "") != "BACKWARD_PRE":

@@ -188,3 +188,21 @@ def test_an_unsupported_option_names_the_engine_that_refused_it(engine, api) -> 
         get_engine(engine)._fully_shard_kwargs(  # type: ignore[attr-defined]
             {"backward_prefetch": BackwardPrefetch.BACKWARD_POST}
         )
+
+
+@pytest.mark.parametrize("engine", ["torch_fsdp2", "fsdp_core_fully_shard"])
+def test_fsdp1_reduce_dtype_none_reaches_fully_shard_as_the_param_dtype(engine) -> None:
+    # FSDP1's MixedPrecision(reduce_dtype=None) reduces in param_dtype; FSDP2's None means the
+    # gradient's own dtype from torch 2.15, so the engines pass param_dtype explicitly.
+    from fsdp_core import MixedPrecision
+    from fsdp_testing.engines import get_engine
+
+    kwargs = get_engine(engine)._fully_shard_kwargs(  # type: ignore[attr-defined]
+        {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}
+    )
+    assert kwargs["mp_policy"].param_dtype == torch.bfloat16
+    assert kwargs["mp_policy"].reduce_dtype == torch.bfloat16
+    kwargs = get_engine(engine)._fully_shard_kwargs(  # type: ignore[attr-defined]
+        {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    )
+    assert kwargs["mp_policy"].reduce_dtype == torch.float32
