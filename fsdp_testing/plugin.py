@@ -31,6 +31,7 @@ _spec_key = pytest.StashKey["DistSpec | None"]()
 # pytest-timeout's and faulthandler_timeout's timers (see [Note: outer timeouts]).
 _timeouts_key = pytest.StashKey["Any"]()
 _limit_note_key = pytest.StashKey[str]()
+_headline_key = pytest.StashKey[str]()  # a failed distributed test's first report line
 _MISSING: Any = object()
 
 
@@ -258,6 +259,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     # A torch-style test run at another world size than its class declares says so.
     report = yield
+    headline = item.stash.get(_headline_key, None)
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if headline is not None and call.when == "call" and crash is not None:
+        # The short summary line (and JUnit's failure message) is the report's headline: pytest
+        # puts the whole message there on CI, where it does not cut it to one line, and the
+        # report would be printed twice.
+        crash.message = f"Failed: {headline}"
     note = getattr(getattr(item, "instance", None), "_fsdp_testing_note", None)
     if note and call.when == "call":
         report.user_properties.append(("fsdp_testing_world", note))
@@ -494,6 +502,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome is VerdictOutcome.FAILED:
+        pyfuncitem.stash[_headline_key] = verdict.message.split("\n", 1)[0]
         pytest.fail(verdict.message, pytrace=False)
     elif verdict.outcome is VerdictOutcome.SKIPPED:
         pytest.skip(verdict.message)

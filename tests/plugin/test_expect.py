@@ -33,14 +33,14 @@ def test_wrong_rank_fails_naming_the_ranks_that_failed(run: Run) -> None:
         "expected rank 0 to fail with a report matching 'SIGKILL', but rank 0 did not fail "
         "(ranks that failed: 1)"
     ), case.message
-    assert "rank 1 killed by SIGKILL at all_reduce #1" in case.message
+    assert "rank 1 killed by SIGKILL at all_reduce #1" in case.text  # the report, below
 
 
 def test_other_report_fails_with_the_report(run: Run) -> None:
     case = run.cases["test_other_report"]
     assert case.outcome == "failed"
     assert "but the report does not match 'SIGSEGV'" in case.message
-    assert "killed by SIGKILL" in case.message
+    assert "killed by SIGKILL" in case.text
 
 
 def test_a_pass_is_a_failure(run: Run) -> None:

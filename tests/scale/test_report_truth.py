@@ -33,6 +33,24 @@ def test_ranks_failing_alike_are_one_entry(pytester: pytest.Pytester) -> None:
     assert "[rank 1]" not in text
 
 
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_the_summary_line_is_the_headline_on_ci_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str
+) -> None:
+    # On CI (CI or BUILD_NUMBER set) pytest does not cut the short summary to one line: it
+    # printed the whole report a second time there.
+    monkeypatch.setenv("CI", ci)
+    pytester.makepyfile(SAME_ASSERT)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "--junitxml=out.xml")
+    result.assert_outcomes(failed=1)
+    summary = result.stdout.str().split("short test summary info")[1].splitlines()[1:-1]
+    assert len(summary) == 1, summary
+    assert summary[0].startswith("FAILED test_the_summary_line_is_the_headline_on_ci_too.py::")
+    assert result.stdout.str().count("dist.all_reduce(t)") == 1
+    junit = (pytester.path / "out.xml").read_text()
+    assert 'message="Failed: ranks 0-3 (4 of 4) failed: AssertionError: the sum is not' in junit
+
+
 SLOW_REPORT = """
 import pytest
 from big import boom
