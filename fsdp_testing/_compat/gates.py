@@ -1,8 +1,8 @@
-"""``common_utils``'s hardware and CI gates that torch 2.15 added: ``HardwareClassification``,
-``requires_accelerator``, ``requires_multigpu`` and ``periodic`` (with ``TEST_WITH_PERIODIC`` in
-``env``). Each takes a test function or a test class, as torch's do; the pytest markers they
-attach (``multigpu``, ``periodic``) are registered by the plugin, so ``--strict-markers`` and
-``-m "not multigpu"`` work."""
+"""``common_utils``'s hardware and CI gates of torch 2.14 and 2.15: ``HardwareClassification``
+(2.14), ``requires_accelerator``, ``requires_multigpu`` and ``periodic`` (2.15, with
+``TEST_WITH_PERIODIC`` in ``env``). Each takes a test function or a test class, as torch's do;
+the pytest markers they attach (``multigpu``, ``periodic``) are registered by the plugin, so
+``--strict-markers`` and ``-m "not multigpu"`` work."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ COMMON_UTILS_NAMES: dict[str, tuple[int, int] | None] = {
     "retry_on_connect_failures": None,
     "FILE_SCHEMA": None,
     "IS_SANDCASTLE": None,
-    "HardwareClassification": (2, 15),
+    "HardwareClassification": (2, 14),
     "requires_multigpu": (2, 15),
     "requires_accelerator": (2, 15),
     "periodic": (2, 15),
