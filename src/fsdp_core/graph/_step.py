@@ -93,10 +93,15 @@ class TrainStep:
                 f"{specs}; the graph has static shapes: trace again for another batch shape"
             )
         shards = [p.param.to_local() for p in self._params]
-        if events.has_subscribers() if observed is None else observed:
-            outputs = ObservedRun(self.gm, self._groups, self._unit_params).run(*shards, *batch)
-        else:
-            outputs = self.gm(*shards, *batch)
+        # The graph holds the backward itself: autograd records nothing here. (torch 2.15
+        # refused an in-place op of the traced MoE step on a shard, a view of a leaf that
+        # requires grad, when the graph ran with grad mode on.)
+        with torch.no_grad():
+            if events.has_subscribers() if observed is None else observed:
+                run = ObservedRun(self.gm, self._groups, self._unit_params)
+                outputs = run.run(*shards, *batch)
+            else:
+                outputs = self.gm(*shards, *batch)
         loss, grads = outputs[0], outputs[1:]
         with torch.no_grad():
             for param, grad in zip(self._params, grads, strict=True):
