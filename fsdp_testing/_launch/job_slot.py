@@ -349,7 +349,11 @@ class Slot:
                     return
                 self._post(key, Finished(result, child.records()))
                 if result.message_follows:  # [Note: a rank's report is written off the clock]
-                    text = _protocol.message_text(self._rank, result, self._follow_up(child))
+                    try:
+                        message = self._receive(child, _protocol.REPORT_TIMEOUT_S)
+                    except (EOFError, OSError):
+                        message = None
+                    text = _protocol.message_text(self._rank, result, message)
                     self._post(f"msg/{msg.task_id}/{self._rank}", text)
                 self._imports.update(dict.fromkeys(result.imported))
                 if result.needs_restart:
@@ -360,40 +364,34 @@ class Slot:
             if self._message_waiting():
                 return  # a dump or the end of the session: the main loop answers it
 
-    def _follow_up(self, child: RankChild) -> object:
-        """The message ``child`` sends after a result whose traceback follows (None if none
-        came within ``REPORT_TIMEOUT_S``); the slot keeps beating while it waits."""
+    def _receive(self, child: RankChild, seconds: float) -> object:
+        """The next message from ``child`` within ``seconds`` (None if none came), beating while
+        it waits; ``EOFError`` or ``OSError`` when its rank process ended."""
         assert child.conn is not None
-        deadline = time.monotonic() + _protocol.REPORT_TIMEOUT_S
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             self._beat()
             if child.conn.poll(POLL_S):
-                try:
-                    return child.conn.recv()
-                except (EOFError, OSError):
-                    return None
+                return child.conn.recv()
         return None
 
     def _await_reset(self, child: RankChild) -> str | None:
         """None once ``child`` says it reset itself after its last task; else why it did not
         (it is then ended). See [Note: warm pool isolation] in ``pool.py``."""
-        assert child.conn is not None
-        deadline = time.monotonic() + _protocol.RESET_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self._beat()
-            if child.conn.poll(POLL_S):
-                try:
-                    reset = child.conn.recv()
-                except (EOFError, OSError):
-                    return f"its rank process {self._reap(child)} after the last test"
-                child.reset_pending = False
-                if isinstance(reset, RankReset) and reset.traceback is None:
-                    return None
-                self._kill(child)
-                why = reset.traceback if isinstance(reset, RankReset) else repr(reset)
-                return f"its rank process could not reset its state after the last test:\n{why}"
+        try:
+            reset = self._receive(child, _protocol.RESET_TIMEOUT_S)
+        except (EOFError, OSError):
+            return f"its rank process {self._reap(child)} after the last test"
+        if reset is None:
+            self._kill(child)
+            limit = _protocol.RESET_TIMEOUT_S
+            return f"its rank process did not reset its state within {limit:.0f} s"
+        child.reset_pending = False
+        if isinstance(reset, RankReset) and reset.traceback is None:
+            return None
         self._kill(child)
-        return f"its rank process did not reset its state within {_protocol.RESET_TIMEOUT_S:.0f} s"
+        why = reset.traceback if isinstance(reset, RankReset) else repr(reset)
+        return f"its rank process could not reset its state after the last test:\n{why}"
 
     def _dump(self, msg: DumpRank) -> None:
         key = f"dump/{msg.task_id}/{self._rank}"
