@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._dtensor_layout import DTensorLayout
+from ._grad_dtype import GradDtypePolicy
 from ._tensor_parallel import local_grad, sharded_layout, tp_spec_of, unsharded_param
 
 __all__ = [
@@ -149,6 +150,9 @@ class ShardedParam:
         with torch.no_grad():
             self.padded_shard.zero_()
             self._valid(self.padded_shard).copy_(self._my_rows(orig_local))
+        # See [Note: per-parameter gradient dtypes] in ``_grad_dtype``.
+        self.grad_policy = GradDtypePolicy()
+        self.grad_policy.capture(orig)
         self.sharded = self._as_parameter(self._valid(self.padded_shard), orig.requires_grad)
         if alias and shard_world != 1:
             raise AssertionError(f"{self.fqn}: only a replicated parameter can alias its shard")
@@ -208,6 +212,7 @@ class ShardedParam:
             param = DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[assignment]
             param._is_param = True
         param._fsdp_sharded = True  # type: ignore[attr-defined]  # see is_sharded_param
+        self.grad_policy.restore_on(param)
         return param
 
     def _as_sharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
@@ -263,11 +268,14 @@ class ShardedParam:
         with torch.no_grad():
             self.padded_shard.zero_()
             self._valid(self.padded_shard).copy_(local)
+        self.grad_policy.capture(self.sharded)  # set on it since, or on its replacement
+        self.grad_policy.capture(current)
         if self._adoptable(current):
             # Keep the object the user holds (an optimizer may be built on it), as FSDP2 does.
             current._local_tensor = self._valid(self.padded_shard)  # type: ignore[attr-defined]
             current._fsdp_sharded = True  # type: ignore[attr-defined]
             self.sharded = current  # type: ignore[assignment]
+            self.grad_policy.restore_on(current)
         else:
             self.sharded = self._as_parameter(self._valid(self.padded_shard), current.requires_grad)
         if self._aliased:
@@ -309,6 +317,11 @@ class ShardedParam:
         self.unsharded.data = self._unsharded_padded.narrow(self.shard_dim, 0, self.rows)
         self._padded_nbytes = self._unsharded_padded.untyped_storage().nbytes()
         self.free_unsharded()
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        """Whether the original parameter was a ``DTensor`` sharded over another mesh dim."""
+        return self._tp_spec is not None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -362,13 +375,19 @@ class ShardedParam:
         current = self.sharded.grad
         if current is not None:
             local_tensor(current).add_(grad)  # no DTensor dispatch on the hot path
-        elif grad.dtype == self.sharded.dtype:
+        elif grad.dtype == self.sharded.dtype or self._takes_grad_of(grad.dtype):
             self.sharded.grad = self._as_sharded_grad(grad)
         else:
             # keep_low_precision_grads: ``.grad`` must match the parameter's dtype when set, so
             # set a placeholder of the right dtype and swap its data for the low-precision one.
             self.sharded.grad = torch.empty_like(self.sharded)
             self.sharded.grad.data = self._as_sharded_tensor(grad)
+
+    def _takes_grad_of(self, dtype: torch.dtype) -> bool:
+        """Whether the sharded parameter's explicit ``grad_dtype`` admits a ``.grad`` of
+        ``dtype`` (see [Note: per-parameter gradient dtypes] in ``_grad_dtype``)."""
+        policy = self.grad_policy
+        return policy.explicit and policy.dtype in (None, dtype)
 
     def sharded_grad_rows(self) -> torch.Tensor | None:
         """``sharded.grad`` zero padded to ``chunk_shape``, or ``None``."""

@@ -143,7 +143,8 @@ def reduce_gradients(
         comm: a custom reduce-scatter (``set_custom_reduce_scatter``; default ``None``).
     """
     if groups.world == 1:
-        return reduce_input.view(-1)[:numel]
+        alone = reduce_input.view(-1)[:numel]
+        return alone if partial is None else alone.add_(partial)
     code = tags.code(TagOp.REDUCE) if tags is not None else 0
     replicas = _tag_slots(groups)[1] if tags is not None else 0
     replicate = groups.replicate

@@ -8,7 +8,9 @@ an init function that computes one parameter from others). As FSDP2 does, the co
 picks the new tensors up in ``FSDPModule._apply`` and, for every unit, at the root's lazy init
 (:func:`adopt_at_lazy_init`); ``FSDPUnit.reset_sharded_params`` calls :func:`adopt`:
 
-- Nothing replaced (every parameter still shows a view into the unit's flat shard): nothing to do.
+- Nothing replaced (every slot still shows the unit's own sharded parameter, a view into its
+  flat shard): nothing to do. A new object over the same storage (``load_state_dict(sd,
+  assign=True)`` with the module's own state dict) is a replacement: the user holds it.
 - Otherwise the unit gets a new flat shard on the new tensors' device, filled with their
   values, and each ``ShardedParam`` shows a view into it again (``ShardedParam.rebind``). A
   replacement that is a ``DTensor`` parameter with the parameter's layout keeps its identity: its
@@ -74,12 +76,16 @@ def refuse_unowned_shared(root: nn.Module) -> None:
 
 def adopt(unit: FSDPUnit) -> None:
     """See [Note: replaced parameters]."""
+    for p in unit.params:  # see [Note: per-parameter gradient dtypes] in _grad_dtype
+        p.grad_policy.capture(p.sharded)  # a grad_dtype set since
+        p.grad_policy.restore_on(p.sharded)  # ``_apply`` may have swapped it out
     if unit.is_unsharded:
         return  # the module shows the unit's unsharded parameters (an explicit unshard)
     current = [p.current() for p in unit.params]
     # The storages themselves (``_cdata``), not their data pointers: fake tensors have none.
     old = unit.flat_shard.untyped_storage()._cdata
-    if all(local_tensor(c).untyped_storage()._cdata == old for c in current):
+    same_objects = all(c is p.sharded for c, p in zip(current, unit.params, strict=True))
+    if same_objects and all(local_tensor(c).untyped_storage()._cdata == old for c in current):
         return
     devices = {c.device for c in current}
     if len(devices) > 1 and torch.device("meta") in devices:

@@ -222,6 +222,7 @@ class FSDPState:
         if self.unit is not None:
             # See [Note: requires_grad changes after wrapping] in _param.
             self.unit.update_grad_params()
+            self.unit.sync_unsharded_grad_dtypes()  # see [Note: per-parameter gradient dtypes]
             self._register_post_backward_hooks()
         if self.is_root or self._root().training_state is TrainingState.FORWARD:
             # Not a standalone call between the root's forward and backward (a module of a
@@ -319,6 +320,8 @@ class FSDPState:
         unit = self.unit
         if unit is not None and unit.streams is None:  # as in ``pre_forward``
             unit.wait_for_unshard()
+        if unit is not None:  # see [Note: per-parameter gradient dtypes] in _grad_dtype
+            unit.defer_grad_upcast(reduces=self.sync_gradients)
         if self.backward_prefetch_targets is not None:
             for target in self.backward_prefetch_targets:
                 self._prefetch(target, "backward_prefetch", explicit=True)

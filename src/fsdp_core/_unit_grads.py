@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import _collectives, _offload, _order_check
 from ._collectives import ReduceScatterComm
+from ._grad_dtype import promoted, set_grad_dtype
 from ._groups import UnitGroups
 from ._order_check import UnitTags
 from ._overlap import CpuOverlap, overlaps
@@ -106,6 +107,9 @@ class UnitGrads:
         # ``set_separate_reduce_scatter_group``: the reduce-scatter's own group over the shard
         # ranks (None: the shard group, shared with the all-gather).
         self.reduce_scatter_group: dist.ProcessGroup | None = None
+        # Set by the composable door where torch follows ``param.grad_dtype`` (2.15 on): see
+        # [Note: per-parameter gradient dtypes] in ``_grad_dtype``.
+        self.grad_dtype_policies = False
 
     @property
     def reduce_groups(self) -> UnitGroups:
@@ -119,25 +123,101 @@ class UnitGrads:
         """Whether reduce-scattered shards wait for their all-reduce (HSDP without it)."""
         return self._partial_reduced is not None
 
-    def _reduce_tags(self) -> UnitTags | None:
-        """The order tags a reduction carries now, if any. See [Note: order check]."""
-        if self.groups.world == 1 or not _order_check.carries_tags(self.precision.reduce_dtype):
+    def _reduce_tags(self, dtype: torch.dtype) -> UnitTags | None:
+        """The order tags a reduction in ``dtype`` carries now, if any. See [Note: order
+        check]."""
+        if self.groups.world == 1 or not _order_check.carries_tags(dtype):
             return None
         return self.order_tags
 
+    def _unsharded_grad_dtype(self, p: ShardedParam) -> torch.dtype | None:
+        """The dtype ``p``'s unreduced gradients accumulate in (``None``: as they come); see
+        [Note: per-parameter gradient dtypes] in ``_grad_dtype``."""
+        precision = self.precision
+        named = precision.reduce_dtype if precision.policy_sets_reduce else None
+        return p.grad_policy.unsharded(named, precision.orig_dtype)
+
+    def sync_unsharded_grad_dtypes(self) -> None:
+        """Give each trainable unsharded parameter the ``grad_dtype`` its unreduced gradients
+        accumulate in (casting a pending gradient). No-op unless ``grad_dtype_policies``."""
+        if not self.grad_dtype_policies:
+            return
+        for p in self._grad_params:
+            dtype, unsharded = self._unsharded_grad_dtype(p), p.unsharded
+            # Explicit even where it is the parameter's dtype, as torch's unsharded parameters.
+            explicit = getattr(unsharded, "_has_grad_dtype_override", False)
+            if unsharded.grad_dtype != dtype or not explicit:
+                set_grad_dtype(unsharded, dtype)
+
+    def defer_grad_upcast(self, reduces: bool) -> None:
+        """Before this unit's backward: a parameter whose accumulation dtype is wider than its
+        compute dtype (fp32 gradients of bf16 compute) takes autograd's gradients in the
+        compute dtype (``grad_dtype=None``) when this backward reduces, or when it holds a
+        pending gradient (already wide: autograd adds into it in place). The reduce input's
+        copy upcasts them, and a parameter used twice sums its contributions in the compute
+        dtype, as torch 2.15 does; :meth:`sync_unsharded_grad_dtypes` (after the backward)
+        puts the accumulation dtype back."""
+        if not self.grad_dtype_policies:
+            return
+        for p in self._grad_params:
+            dtype, compute = self._unsharded_grad_dtype(p), p.compute_dtype
+            if dtype is None or p.is_tensor_parallel:  # TP: reduced outside, in its dtype
+                continue
+            floats = dtype.is_floating_point and compute.is_floating_point
+            if floats and dtype.itemsize > compute.itemsize:
+                if reduces or p.unsharded.grad is not None:
+                    p.unsharded.grad_dtype = None
+
+    def check_unused_grad_dtypes(self) -> None:
+        """Raise if zeros for unused parameters would have no dtype every rank agrees on: a
+        trainable parameter with ``grad_dtype=None`` and no ``reduce_dtype``. The check reads
+        the configuration, not this rank's gradients, so every rank raises alike."""
+        if not (self.grad_dtype_policies and self.reduce_unused_params):
+            return
+        for p in self.params:
+            if p.requires_grad and self._unsharded_grad_dtype(p) is None:
+                raise ValueError(
+                    "set_reduce_scatter_unused_params: reducing unused parameters with "
+                    f"grad_dtype=None requires an explicit MixedPrecisionPolicy.reduce_dtype so "
+                    f"every rank builds zero gradients of the same dtype: parameter {p.fqn!r} of "
+                    f"unit {self.name!r}. Set reduce_dtype to the dtype its gradients have, or "
+                    "give the parameter a grad_dtype before fully_shard."
+                )
+
+    def _reduce_dtype_for(self, grads: list[torch.Tensor | None]) -> torch.dtype:
+        """The dtype this backward reduces in: ``reduce_dtype`` as resolved, or with
+        per-parameter gradient dtypes and no ``reduce_dtype`` in the policy, the promotion of
+        each gradient's accumulation dtype (its own dtype under ``grad_dtype=None``) and of a
+        pending partial reduction's."""
+        precision = self.precision
+        if not self.grad_dtype_policies or precision.policy_sets_reduce:
+            return precision.reduce_dtype
+        dtypes = []
+        for p, grad in zip(self._grad_params, grads, strict=True):
+            dtype = self._unsharded_grad_dtype(p)
+            if dtype is None and grad is not None:
+                dtype = grad.dtype
+            if dtype is not None and (grad is not None or self.reduce_unused_params):
+                dtypes.append(dtype)
+        if self._partial_reduced is not None:
+            dtypes.append(self._partial_reduced.dtype)
+        return promoted(dtypes) or precision.reduce_dtype
+
     def _reduce_input(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """``(shard_world, grad numel [+ tag])`` in ``reduce_dtype``, zero padded, pre-divided.
+        """``(shard_world, grad numel [+ tag])`` in the reduction's dtype
+        (:meth:`_reduce_dtype_for`), zero padded, pre-divided.
 
         With order tags each row ends with one digit pair per rank of the first reduction
         (the reduce-scatter, or the all-reduce of an unsharded unit), all zero until
         :meth:`_reduce` writes this rank's; see [Note: order check].
         """
-        slots = input_tag_slots(self.groups) if self._reduce_tags() is not None else 0
+        dtype = self._reduce_dtype_for(grads)
+        slots = input_tag_slots(self.groups) if self._reduce_tags(dtype) is not None else 0
         shape = (self.shard_world, self._grad_numel + slots)
         full = _collectives.new_buffer(
             self.reduce_scatter_comm,
             math.prod(shape),
-            self.precision.reduce_dtype,
+            dtype,
             self.device,
             self.staging,  # see [Note: staging buffers on the CPU]
         ).view(shape)
@@ -166,6 +246,8 @@ class UnitGrads:
         overlap, groups = self.cpu_overlap, self.reduce_groups
         if overlap is None or not self._sharded or groups.replicate_size > 1:
             return None
+        if self._partial_reduced is not None or not self.all_reduce_grads:
+            return None  # a shard that waits for its all-reduce (a replicate group of one)
         if self.reduce_scatter_comm is not None or not overlaps(groups.shard):
             return None
         return overlap
@@ -175,7 +257,7 @@ class UnitGrads:
     ) -> None:
         """Issue the reduce-scatter and leave the rest to ``overlap``."""
         numel = self._grad_numel
-        tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
+        tags = self._reduce_tags(reduce_input.dtype) if reduce_input.shape[1] > numel else None
         scatter = start_reduce_scatter(
             reduce_input,
             numel,
@@ -197,8 +279,9 @@ class UnitGrads:
         ``None`` while it waits for its all-reduce; see ``_reduce.reduce_gradients``."""
         numel = self._grad_numel
         # The input has tag columns iff ``_reduce_input`` saw order tags.
-        tags = self._reduce_tags() if reduce_input.shape[1] > numel else None
-        all_reduce = self.all_reduce_grads or self.groups.replicate_size == 1
+        tags = self._reduce_tags(reduce_input.dtype) if reduce_input.shape[1] > numel else None
+        # Without its all-reduce the shard waits, also over a replicate group of one (FSDP2).
+        all_reduce = self.all_reduce_grads or self.groups.replicate is None
         reduced = reduce_gradients(
             reduce_input, numel, self.reduce_groups, tags, unit=self.name,
             all_reduce=all_reduce, partial=self._partial_reduced, comm=self.reduce_scatter_comm,
@@ -213,14 +296,23 @@ class UnitGrads:
         in ``got`` is true."""
         if reduced is None:
             return
-        grad = reduced.to(self.precision.grad_dtype)
+        default = self.precision.grad_dtype
+        if self.grad_dtype_policies:  # see [Note: per-parameter gradient dtypes]
+            dtypes = [p.grad_policy.sharded(default) or reduced.dtype for p in self._grad_params]
+        else:
+            dtypes = [default] * len(self._grad_params)
+        cast = {dtype: reduced.to(dtype) for dtype in dict.fromkeys(dtypes)}  # one per dtype
         if self.offload_params:
-            grad = _offload.copy_to_host(
-                grad, self.device, self.streams, unit=self.name, pin=self._pin
-            )
-        for p, offset, store in zip(self._grad_params, self._grad_offsets, got, strict=True):
+            cast = {
+                dtype: _offload.copy_to_host(
+                    grad, self.device, self.streams, unit=self.name, pin=self._pin
+                )
+                for dtype, grad in cast.items()
+            }
+        rows = zip(self._grad_params, self._grad_offsets, got, dtypes, strict=True)
+        for p, offset, store, dtype in rows:
             if store:
-                p.accumulate_sharded_grad(grad[offset : offset + p.shard_numel])
+                p.accumulate_sharded_grad(cast[dtype][offset : offset + p.shard_numel])
 
     @property
     def grad_params(self) -> list[ShardedParam]:

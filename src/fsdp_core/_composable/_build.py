@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _init
+from .._grad_dtype import applies as grad_dtype_applies
 from .._groups import UnitGroups, backend_moves_cuda_memory, hybrid_groups_from_mesh
 from .._param import DTensorLayout, ParamSpec, is_sharded_param
 from .._precision import UnitPrecision
@@ -264,6 +265,9 @@ def unit_factory(
         )
         # FSDP2's no-sync accumulation dtype, and .grad None for parameters without gradients
         unit.upcast_unreduced_grads = unit.skip_params_without_grads = True
+        # torch 2.15 on: each parameter's ``grad_dtype``; see [Note: per-parameter gradient
+        # dtypes] in ``_grad_dtype``.
+        unit.grad_dtype_policies = grad_dtype_applies()
         unit.mp_policy = mp_policy
         if then is not None:
             then(unit)

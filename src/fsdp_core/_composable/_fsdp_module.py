@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from .._grad_dtype import give_back_grads, take_explicit_grads
 from .._post_forward import PostForwardShards, post_forward_group
 from .._root import finalize_backward, reset_iteration, set_manual_backward_finalization
 from .._runtime import FSDPState
@@ -268,8 +269,17 @@ class FSDPModule(FSDPCommSettings):
             recurse: also every ``FSDPModule`` below this one (default ``True``).
         """
         for state in self._states(recurse):
-            if state.unit is not None:
-                state.unit.reduce_unused_params = bool(reduce_scatter_unused_params)
+            unit = state.unit
+            if unit is not None:
+                before, unit.reduce_unused_params = (
+                    unit.reduce_unused_params,
+                    bool(reduce_scatter_unused_params),
+                )
+                try:  # a grad_dtype=None parameter needs a reduce_dtype: see _grad_dtype
+                    unit.check_unused_grad_dtypes()
+                except ValueError:
+                    unit.reduce_unused_params = before
+                    raise
 
     def set_post_optim_event(self, event: Any) -> None:
         """Let the next forward's all-gathers wait on ``event`` (recorded after the optimizer
@@ -297,10 +307,12 @@ class FSDPModule(FSDPCommSettings):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty``/``to`` replace the sharded parameters: re-adopt them into the unit.
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         unit = self._get_fsdp_state().unit
+        taken = take_explicit_grads(unit.params) if unit is not None else {}
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         if unit is not None:
             unit.reset_sharded_params()
+            give_back_grads(taken)  # see [Note: per-parameter gradient dtypes]
         return result
 
 
