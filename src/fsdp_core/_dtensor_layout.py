@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._groups import UnitGroups
+from ._spmd_mesh import SpmdMesh
 
 __all__ = ["DTensorLayout"]
 
@@ -39,6 +40,8 @@ class DTensorLayout:
 
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     placements: tuple[Any, ...]  # (Shard(0),), (Replicate(),), or (Replicate(), Shard(0)) for HSDP
+    # ``dp_mesh_dims``: ``mesh`` is its data-parallel sub-mesh; see [Note: SPMD meshes].
+    spmd: SpmdMesh | None = None
 
     @classmethod
     def of_groups(cls, groups: UnitGroups, device_type: str) -> DTensorLayout:

@@ -124,14 +124,17 @@ class ShardedParam:
         self.slots = spec.slots
         # A DTensor parameter: its local tensor is sharded. See [Note: tensor-parallel
         # parameters] in ``_tensor_parallel``.
-        self._tp_spec = tp_spec_of(orig, layout.mesh if layout is not None else None)
+        self._spmd = layout.spmd if layout is not None else None  # see [Note: SPMD meshes]
+        self._tp_spec = tp_spec_of(orig, layout.mesh if layout is not None else None, self._spmd)
         orig_local = local_tensor(orig)
         self.full_shape = orig_local.shape  # what the unit shards: the local tensor
         self.global_shape = orig.shape  # what the sharded DTensor shows
         dim = self.shard_dim = spec.shard_dim
         self._mesh: Any = None
         self._placements: tuple[Any, ...] = ()
-        if layout is not None:
+        if self._spmd is not None:
+            self._mesh, self._placements = self._spmd.sharded_layout(self._tp_spec.placements, dim)
+        elif layout is not None:
             self._mesh, self._placements = sharded_layout(
                 layout.mesh, layout.placements, dim, self._tp_spec
             )
@@ -319,9 +322,17 @@ class ShardedParam:
         self.free_unsharded()
 
     @property
-    def is_tensor_parallel(self) -> bool:
-        """Whether the original parameter was a ``DTensor`` sharded over another mesh dim."""
-        return self._tp_spec is not None
+    def may_reduce_grad_outside_dp(self) -> bool:
+        """Whether taking the gradient's local tensor may reduce it over a mesh dim outside
+        data parallelism (a ``Partial`` gradient of a parameter replicated there), in the
+        gradient's dtype: FSDP2's test for keeping autograd's upcast."""
+        if self._tp_spec is None:
+            return False
+        from torch.distributed.tensor import Replicate
+
+        dp = self._spmd.dp_dims if self._spmd is not None else frozenset()
+        placements = self._tp_spec.placements
+        return any(isinstance(pl, Replicate) for i, pl in enumerate(placements) if i not in dp)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -398,7 +409,7 @@ class ShardedParam:
     def take_unreduced_grad(self) -> torch.Tensor | None:
         """The gradient not reduced yet (full shape), and forget it. See [Note: unreduced
         gradients]."""
-        grad, kept = local_grad(self.unsharded.grad, self._tp_spec), self.unreduced_grad
+        grad, kept = local_grad(self.unsharded.grad, self._tp_spec, self._spmd), self.unreduced_grad
         self.unsharded.grad = self.unreduced_grad = None
         if kept is None:
             return grad

@@ -28,15 +28,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._spmd_mesh import SpmdMesh
+
 __all__ = ["local_grad", "sharded_layout", "tp_spec_of", "unsharded_param"]
 
 
-def tp_spec_of(param: torch.Tensor, fsdp_mesh: Any) -> Any:
-    """``param``'s ``DTensorSpec`` when it is a tensor-parallel ``DTensor``, else ``None``;
-    raises for what FSDP2 refuses too."""
+def tp_spec_of(param: torch.Tensor, fsdp_mesh: Any, spmd: SpmdMesh | None = None) -> Any:
+    """``param``'s ``DTensorSpec`` when it is a tensor-parallel ``DTensor`` (or one on the full
+    SPMD mesh: see [Note: SPMD meshes] in ``_spmd_mesh``), else ``None``; raises for what FSDP2
+    refuses too."""
     spec = getattr(param, "_spec", None)
     if spec is None or fsdp_mesh is None:
         return None
+    if spmd is not None:
+        return spec  # checked against the mesh when the unit was made
     if spec.mesh.device_type != fsdp_mesh.device_type:
         raise ValueError(
             "fully_shard: Requires DTensor to have mesh of the same type as the FSDP mesh but "
@@ -95,11 +100,17 @@ def unsharded_param(local: torch.Tensor, tp_spec: Any, requires_grad: bool) -> n
     return param  # type: ignore[return-value]  # an nn.Parameter by ``_is_param``
 
 
-def local_grad(grad: torch.Tensor | None, tp_spec: Any) -> torch.Tensor | None:
-    """The local tensor of an unsharded parameter's gradient, in the parameter's placements."""
+def local_grad(
+    grad: torch.Tensor | None, tp_spec: Any, spmd: SpmdMesh | None = None
+) -> torch.Tensor | None:
+    """The local tensor of an unsharded parameter's gradient, in the parameter's placements
+    (on an SPMD mesh, but for the data-parallel dims: :meth:`SpmdMesh.grad_placements`)."""
     if grad is None or tp_spec is None:
         return grad
-    if tuple(grad.placements) != tuple(tp_spec.placements):  # type: ignore[attr-defined]
-        grad = grad.redistribute(placements=tp_spec.placements)  # type: ignore[attr-defined]
+    target = tuple(tp_spec.placements)
+    if spmd is not None:
+        target = spmd.grad_placements(grad.placements, target)  # type: ignore[attr-defined]
+    if tuple(grad.placements) != target:  # type: ignore[attr-defined]
+        grad = grad.redistribute(placements=target)  # type: ignore[attr-defined]
     local: torch.Tensor = grad._local_tensor  # type: ignore[union-attr]
     return local

@@ -161,7 +161,7 @@ class UnitGrads:
             return
         for p in self._grad_params:
             dtype, compute = self._unsharded_grad_dtype(p), p.compute_dtype
-            if dtype is None or p.is_tensor_parallel:  # TP: reduced outside, in its dtype
+            if dtype is None or p.may_reduce_grad_outside_dp:
                 continue
             floats = dtype.is_floating_point and compute.is_floating_point
             if floats and dtype.itemsize > compute.itemsize:

@@ -32,6 +32,8 @@ from fsdp_core._composable._api import reduce_follows_grad_dtype
 from fsdp_core._runtime import states_in
 from fsdp_testing.recording import record_fsdp
 
+from ._spmd import on_spmd_mesh
+
 
 def _mesh(group: dist.ProcessGroup) -> DeviceMesh:
     return DeviceMesh.from_group(group, "cpu")
@@ -455,20 +457,23 @@ def test_replicate_a_list_is_one_unit(rank, process_group):
 @pytest.mark.parametrize("names", ["dp", ("dp", "tp")])
 @pytest.mark.distributed(world_size=2)
 def test_replicate_dp_mesh_dims(names, rank, process_group):
-    """On a 2-D mesh, ``dp_mesh_dims`` names the dimension(s) to replicate over (several are
-    flattened): the parameters are ``Replicate()`` DTensors on that 1-D sub-mesh and train as
-    DDP. Shard dims or unknown names are refused."""
+    """On a 2-D SPMD mesh, ``dp_mesh_dims`` names the dimension(s) to replicate over
+    (several are flattened): the parameters stay ``DTensor``s on the full mesh and train as
+    DDP. Shard dims, unknown names and plain parameters are refused with FSDP2's errors."""
     x = _batch(rank)
     ref = _ddp_grads(_stack(), [x], process_group)
     shape = (2, 1) if names == "dp" else (1, 2)
     mesh = DeviceMesh("cpu", torch.arange(2).view(shape), mesh_dim_names=("dp", "tp"))
-    model = replicate(_stack(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate=names))
+    dims = DataParallelMeshDims(replicate=names)
+    model = replicate(on_spmd_mesh(_stack(), mesh), mesh=mesh, dp_mesh_dims=dims)
     weight = model[0].weight
-    assert isinstance(weight, DTensor) and weight.placements == (Replicate(),)
-    assert weight.device_mesh.ndim == 1 and weight.device_mesh.size() == 2
+    assert isinstance(weight, DTensor) and weight.placements == (Replicate(), Replicate())
+    assert weight.device_mesh is mesh
     model(x).sum().backward()
     _assert_grads(_full_grads(model), ref)
     with pytest.raises(ValueError, match="requires replicate-only dims"):
         replicate(_stack(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="tp"))
-    with pytest.raises(ValueError, match=r"names dimensions \['pp'\]"):
+    with pytest.raises(ValueError, match=r"'pp' not found in mesh\.mesh_dim_names"):
         replicate(_stack(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="pp"))
+    with pytest.raises(ValueError, match=r"must be DTensors on the full SPMD mesh.*'0\.weight'"):
+        replicate(_stack(), mesh=mesh, dp_mesh_dims=dims)

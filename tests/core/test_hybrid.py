@@ -30,6 +30,7 @@ from fsdp_testing.recording import record_fsdp
 
 from ._models import MixtureOfExperts, NestedModel, _own_rank_group, build
 from ._parity import FP32_TOLERANCE, assert_same, assert_same_losses, full_params, reference, train
+from ._spmd import on_spmd_mesh
 
 KINDS = ["nested", "always_wrap", "frozen", "transformer", "moe"]
 HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
@@ -133,17 +134,21 @@ def test_fully_shard_2d_mesh_parity_with_ddp(kind, rank, process_group):
 
 @pytest.mark.distributed(world_size=4)
 def test_dp_mesh_dims_on_a_bigger_mesh(rank, process_group):
-    """``DataParallelMeshDims(shard=..., replicate=...)`` picks the HSDP dimensions out of a
-    mesh with more names; the result trains like DDP."""
+    """``DataParallelMeshDims(shard=..., replicate=...)`` picks the HSDP dimensions out of the
+    full SPMD mesh the parameters live on; the result trains like DDP and its parameters stay
+    on that mesh, sharded on the shard dimension."""
     ref_losses, ref_params = reference("nested", build("nested", rank), rank, process_group)
     mesh = DeviceMesh("cpu", torch.arange(4).view(2, 1, 2), mesh_dim_names=("dp", "tp", "fs"))
     dims = DataParallelMeshDims(shard="fs", replicate="dp")
-    model = build("nested", rank)
+    model = on_spmd_mesh(build("nested", rank), mesh)
     fully_shard(model.block, mesh=mesh, dp_mesh_dims=dims)
     fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     unit = states_in(model)[0].unit
     assert unit is not None
     assert unit.groups.ranks() == (SHARD_GROUPS[rank // 2], REPLICATE_GROUPS[rank % 2])
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.device_mesh is mesh, name
+        assert param.placements == (Replicate(), Replicate(), Shard(0)), name
     losses, params = _train_composable(model, "nested", rank)
     assert_same_losses(losses, ref_losses, tolerance=TOL, what="dp_mesh_dims")
     assert_same(params, ref_params, tolerance=TOL, what="dp_mesh_dims")
@@ -337,7 +342,7 @@ def test_bad_hybrid_input_raises_naming_the_fix(rank, process_group):
         FSDP(nn.Linear(4, 4), process_group, device_mesh=_mesh(), sharding_strategy=HYBRID[0])
     with pytest.raises(ValueError, match=r"must divide the shard world size 2; pass one of"):
         fully_shard(nn.Linear(4, 4), mesh=_mesh(), reshard_after_forward=4)
-    with pytest.raises(ValueError, match="names no shard dimension"):
+    with pytest.raises(ValueError, match="must be DTensors on the full SPMD mesh"):
         fully_shard(
             nn.Linear(4, 4), mesh=_mesh(), dp_mesh_dims=DataParallelMeshDims(replicate="replicate")
         )

@@ -151,7 +151,7 @@ class DataParallelMeshDims:
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
             raise ValueError(
-                "DataParallelMeshDims needs at least one of shard=... and replicate=..., e.g. "
+                "DataParallelMeshDims: At least one of shard or replicate must be set, e.g. "
                 "DataParallelMeshDims(shard='dp')."
             )
 

@@ -20,6 +20,7 @@ from .._groups import UnitGroups, backend_moves_cuda_memory, hybrid_groups_from_
 from .._param import DTensorLayout, ParamSpec, is_sharded_param
 from .._precision import UnitPrecision
 from .._runtime import FSDPState, state_of
+from .._spmd_mesh import SpmdMesh
 from .._unit import FSDPUnit
 from ..api import MixedPrecision, TrainingState
 from ..fully_sharded_data_parallel import FullyShardedDataParallel
@@ -39,7 +40,6 @@ __all__ = [
     "collect_specs",
     "compute_device",
     "default_mesh",
-    "flattened_dim",
     "is_unit",
     "unit_factory",
     "unit_precision",
@@ -130,13 +130,6 @@ def default_mesh(api: str, mesh: Any, modules: list[nn.Module]) -> Any:
     return mesh
 
 
-def flattened_dim(mesh: Any, names: tuple[str, ...]) -> str:
-    """The name of ``mesh``'s dimensions ``names`` flattened into one (made once)."""
-    name = "_".join(names)
-    mesh[names]._flatten(name)
-    return name
-
-
 def compute_device(mesh: Any) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -217,6 +210,8 @@ def unit_factory(
     mesh: Any,
     *,
     replicate: bool,
+    api: str | None = None,
+    spmd: SpmdMesh | None = None,
     shard_placement_fn: ShardPlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
@@ -224,7 +219,9 @@ def unit_factory(
 ) -> UnitFactory:
     """Builds the unit of ``modules`` from given parameters, with this call's options:
     ``Shard(0)`` DTensors over ``mesh`` (``Shard(dim)`` where ``shard_placement_fn`` says), or
-    with ``replicate`` whole ``Replicate()`` ones;
+    with ``replicate`` whole ``Replicate()`` ones (``api`` names the door in errors: default
+    ``replicate`` for those, else ``fully_shard``); with ``spmd`` ``mesh`` is its data-parallel
+    part and the parameters are ``DTensor``s on its full mesh (see [Note: SPMD meshes]);
     ``then`` finishes each unit built (also those rebuilt when a shared parameter moves up)."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -238,13 +235,15 @@ def unit_factory(
         groups, placements = UnitGroups(shard=mesh.get_group()), (Shard(0),)
     device = compute_device(mesh)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    layout = DTensorLayout(mesh, placements)
+    layout = DTensorLayout(mesh, placements, spmd)
 
     def make_unit(specs: list[ParamSpec]) -> FSDPUnit:
+        door = api or ("replicate" if replicate else "fully_shard")
+        if spmd is not None:
+            for spec in specs:
+                spmd.check_param(door, spec.fqn, spec.param)
         specs = place_params("fully_shard", specs, shard_placement_fn, mesh, groups.shard_size)
-        _init.validate_uniform(
-            "replicate" if replicate else "fully_shard", specs, frozen_may_differ=True
-        )
+        _init.validate_uniform(door, specs, frozen_may_differ=True)
         precision = unit_precision(mp_policy, _init.trained_dtype(specs))
         dtypes = [mp_policy.param_dtype_for(s.param, s.fqn) for s in specs]  # validated
         keep = frozenset(

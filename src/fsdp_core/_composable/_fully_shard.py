@@ -17,13 +17,13 @@ from torch import nn
 
 from .._post_forward import PostForwardShards, post_forward_group
 from .._runtime import FSDPState, RuntimeConfig
+from .._spmd_mesh import SpmdMesh, resolve_spmd_mesh
 from .._unit import FSDPUnit
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._build import (
     attach,
     collect_specs,
     default_mesh,
-    flattened_dim,
     unit_factory,
     validate_ignored,
     validate_modules,
@@ -82,18 +82,32 @@ def fully_shard(
         mp_policy: a ``MixedPrecisionPolicy`` (default: full precision).
         offload_policy: ``OffloadPolicy()`` (default, none) or ``CPUOffloadPolicy()``.
         ignored_params: parameters to leave unsharded and unreduced (default ``None``).
-        dp_mesh_dims: for a mesh with more dimensions, the data-parallel ones (default
-            ``None``); the unit shards over ``mesh[dp_mesh_dims.shard]`` and, when
-            ``replicate`` is named too, replicates across ``mesh[dp_mesh_dims.replicate]``.
+        dp_mesh_dims: the data-parallel dimensions of ``mesh``, which is then the job's
+            full SPMD mesh (default ``None``): every parameter must be a ``DTensor`` on
+            that mesh object, ``Replicate()`` on those dimensions (``distribute_module``).
+            The unit shards over ``mesh[dp_mesh_dims.shard]`` (several names flattened
+            into one) and, when ``replicate`` is named too, replicates across
+            ``mesh[dp_mesh_dims.replicate]``; with only ``replicate`` it is DDP. The model
+            computes with ``DTensor``s on the full mesh; see [Note: SPMD meshes] in
+            ``fsdp_core/_spmd_mesh.py``.
 
     Returns:
         ``module`` (now also an ``FSDPModule``).
     """
     modules = validate_modules("fully_shard", module)
-    mesh = _resolve_mesh(mesh, dp_mesh_dims, modules)
+    mesh, spmd = _resolve_mesh(mesh, dp_mesh_dims, modules)
     group = mesh.get_group(mesh.ndim - 1)  # the shard group: the inner dimension
     world = dist.get_world_size(group)
+    only_replicate = spmd is not None and not spmd.shard_dims  # DDP on an SPMD mesh
+    if spmd is not None and isinstance(reshard_after_forward, int):
+        if not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                "fully_shard: reshard_after_forward as int is not yet supported with SPMD "
+                f"mesh (dp_mesh_dims), got {reshard_after_forward}; pass True or False."
+            )
     rsf = resolve_reshard_after_forward("fully_shard", reshard_after_forward, world)
+    if only_replicate:
+        rsf = False  # nothing to free or gather again: see [Note: replicate]
     validate_policies("fully_shard", mp_policy, offload_policy)
     ignored = validate_ignored("fully_shard", ignored_params)
     specs = collect_specs(
@@ -110,7 +124,9 @@ def fully_shard(
     make_unit = unit_factory(
         modules,
         mesh,
-        replicate=False,
+        replicate=only_replicate,
+        api="fully_shard",
+        spmd=spmd,
         shard_placement_fn=shard_placement_fn,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
@@ -135,11 +151,23 @@ def fully_shard(
 
 def _resolve_mesh(
     mesh: Any, dp_mesh_dims: DataParallelMeshDims | None, modules: list[nn.Module]
-) -> Any:
-    """A 1-D mesh (FSDP) or a 2-D mesh whose dim 0 replicates and dim 1 shards (HSDP)."""
+) -> tuple[Any, SpmdMesh | None]:
+    """A 1-D mesh (FSDP) or a 2-D mesh whose dim 0 replicates and dim 1 shards (HSDP), and
+    with ``dp_mesh_dims`` the full SPMD mesh it is the data-parallel part of (see [Note: SPMD
+    meshes] in ``_spmd_mesh``)."""
     mesh = default_mesh("fully_shard", mesh, modules)
     if dp_mesh_dims is not None:
-        mesh = _data_parallel_mesh(mesh, dp_mesh_dims)
+        if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+            raise TypeError(
+                f"fully_shard: dp_mesh_dims takes a DataParallelMeshDims, got {dp_mesh_dims!r}."
+            )
+        spmd = resolve_spmd_mesh(
+            "fully_shard",
+            mesh,
+            dp_mesh_dims.shard_names,
+            dp_mesh_dims.replicate_names,
+        )
+        return spmd.dp_mesh, spmd
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: mesh must be 1-D (FSDP) "
@@ -154,27 +182,4 @@ def _resolve_mesh(
             f"{mesh}: dim 0 replicates and dim 1 shards, e.g. init_device_mesh(type, (replicas, "
             "shard), mesh_dim_names=('replicate', 'shard'))."
         )
-    return mesh
-
-
-def _data_parallel_mesh(mesh: Any, dims: DataParallelMeshDims) -> Any:
-    """The (replicate, shard) or (shard,) sub-mesh ``dims`` names; several names of one role
-    are flattened into one dimension."""
-    if not isinstance(dims, DataParallelMeshDims):
-        raise TypeError(f"fully_shard: dp_mesh_dims takes a DataParallelMeshDims, got {dims!r}.")
-    if not dims.shard_names:
-        raise ValueError(
-            f"fully_shard: dp_mesh_dims={dims} names no shard dimension, so nothing would be "
-            "sharded. Pass shard=<dimension name>, or use replicate(module, "
-            "mesh=mesh[<replicate dimension>]) for pure data parallelism."
-        )
-    names = tuple(mesh.mesh_dim_names or ())
-    unknown = [n for n in (*dims.replicate_names, *dims.shard_names) if n not in names]
-    if unknown:
-        raise ValueError(
-            f"fully_shard: dp_mesh_dims={dims} names dimensions {unknown} that the mesh does "
-            f"not have (its dimensions: {list(names)}). Pass names of mesh.mesh_dim_names."
-        )
-    roles = [r for r in (dims.replicate_names, dims.shard_names) if r]
-    picked = [r[0] if len(r) == 1 else flattened_dim(mesh, r) for r in roles]
-    return mesh[picked[0]] if len(picked) == 1 else mesh[tuple(picked)]
+    return mesh, None

@@ -32,13 +32,13 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .._runtime import FSDPState, RuntimeConfig
+from .._spmd_mesh import SpmdMesh, resolve_spmd_mesh
 from .._unit import FSDPUnit
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._build import (
     attach,
     collect_specs,
     default_mesh,
-    flattened_dim,
     unit_factory,
     validate_ignored,
     validate_modules,
@@ -80,18 +80,22 @@ def replicate(
             parameters and gradients stay on the CPU; a copy computes on the device).
         ignored_params: parameters to leave as they are, not replicated and not reduced
             (default ``None``).
-        dp_mesh_dims: for a mesh of more dimensions, the one(s) to replicate over:
-            ``DataParallelMeshDims(replicate=name)``, several names flattened into one
-            dimension; it names no shard dimension, which is ``fully_shard``'s (default
-            ``None``: ``mesh`` is 1-D).
+        dp_mesh_dims: the dimension(s) of ``mesh`` to replicate over,
+            ``DataParallelMeshDims(replicate=name)`` (several names flattened into one); it
+            names no shard dimension, which is ``fully_shard``'s. ``mesh`` is then the job's
+            full SPMD mesh, and every parameter must be a ``DTensor`` on it, ``Replicate()``
+            on those dimensions (see [Note: SPMD meshes] in ``fsdp_core/_spmd_mesh.py``;
+            default ``None``: ``mesh`` is 1-D).
 
     Returns:
         ``module`` (now also an ``FSDPModule``).
     """
     modules = validate_modules("replicate", module)
     mesh = default_mesh("replicate", mesh, modules)
+    spmd = None
     if dp_mesh_dims is not None:
-        mesh = _replicate_mesh(mesh, dp_mesh_dims)
+        spmd = _spmd_mesh(mesh, dp_mesh_dims)
+        mesh = spmd.dp_mesh
     if mesh.ndim != 1:
         raise ValueError(
             f"replicate expects a 1D DeviceMesh but got {mesh}: mesh must be 1-D, got a "
@@ -103,7 +107,12 @@ def replicate(
     ignored = validate_ignored("replicate", ignored_params)
     specs = collect_specs("replicate", modules, ignored, _validate_no_scalars)
     make_unit = unit_factory(
-        modules, mesh, replicate=True, mp_policy=mp_policy, offload_policy=offload_policy
+        modules,
+        mesh,
+        replicate=True,
+        spmd=spmd,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
     )
     unit: FSDPUnit | None = make_unit(specs) if specs else None
     config = RuntimeConfig(
@@ -118,8 +127,8 @@ def replicate(
     return module
 
 
-def _replicate_mesh(mesh: Any, dims: DataParallelMeshDims) -> Any:
-    """The 1-D sub-mesh of the dimension(s) ``dims.replicate`` names (flattened if several)."""
+def _spmd_mesh(mesh: Any, dims: DataParallelMeshDims) -> SpmdMesh:
+    """``mesh`` as the full SPMD mesh, replicated over the dimension(s) ``dims.replicate``."""
     if not isinstance(dims, DataParallelMeshDims):
         raise TypeError(f"replicate: dp_mesh_dims takes a DataParallelMeshDims, got {dims!r}.")
     if dims.shard_names:
@@ -128,20 +137,7 @@ def _replicate_mesh(mesh: Any, dims: DataParallelMeshDims) -> Any:
             f"{dims}. Use fully_shard() for sharding, or pass "
             f"DataParallelMeshDims(replicate={dims.replicate!r})."
         )
-    names = tuple(mesh.mesh_dim_names or ())
-    if not names:
-        raise ValueError(
-            f"replicate: mesh must have mesh_dim_names when dp_mesh_dims is provided, got "
-            f"{mesh}; pass init_device_mesh(..., mesh_dim_names=(...))."
-        )
-    unknown = [n for n in dims.replicate_names if n not in names]
-    if unknown:
-        raise ValueError(
-            f"replicate: dp_mesh_dims={dims} names dimensions {unknown} that the mesh does not "
-            f"have (its dimensions: {list(names)}). Pass names of mesh.mesh_dim_names."
-        )
-    chosen = dims.replicate_names
-    return mesh[chosen[0] if len(chosen) == 1 else flattened_dim(mesh, chosen)]
+    return resolve_spmd_mesh("replicate", mesh, (), dims.replicate_names)
 
 
 def _validate_no_scalars(specs: list[Any]) -> None:
