@@ -375,15 +375,9 @@ class FSDPUnit(UnitGrads):
         if reshard and self.is_unsharded:  # see ``FSDPState._final_callback``
             self.reshard("backward")
         if not reduce:
-            if self.grad_dtype_policies:  # they stay on ``unsharded.grad``, in their dtype
-                self.sync_unsharded_grad_dtypes()
-            elif self.upcast_unreduced_grads:
-                for p in self._grad_params:
-                    p.keep_unreduced_grad(self.precision.reduce_dtype)
+            self.keep_unreduced_grads()
             return
-        self.check_unused_grad_dtypes()
-        grads = [p.take_unreduced_grad() for p in self._grad_params]
-        self.sync_unsharded_grad_dtypes()  # after ``defer_grad_upcast``
+        grads = self.take_grads_to_reduce()
         if all(g is None for g in grads) and not self.reduce_unused_params:
             return
         streams = self.streams

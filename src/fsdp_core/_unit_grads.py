@@ -184,6 +184,25 @@ class UnitGrads:
                     "give the parameter a grad_dtype before fully_shard."
                 )
 
+    def keep_unreduced_grads(self) -> None:
+        """After a backward that does not reduce: keep its gradients for the next one, in the
+        dtype they accumulate in (see [Note: unreduced gradients] in ``_param``): on the
+        unsharded ``.grad`` with per-parameter gradient dtypes, else moved into
+        ``unreduced_grad`` in ``reduce_dtype`` when ``upcast_unreduced_grads``."""
+        if self.grad_dtype_policies:
+            self.sync_unsharded_grad_dtypes()
+        elif self.upcast_unreduced_grads:
+            for p in self._grad_params:
+                p.keep_unreduced_grad(self.precision.reduce_dtype)
+
+    def take_grads_to_reduce(self) -> list[torch.Tensor | None]:
+        """The unreduced gradient of each parameter in ``grad_params`` (None: it got none),
+        forgotten by the parameters."""
+        self.check_unused_grad_dtypes()
+        grads = [p.take_unreduced_grad() for p in self._grad_params]
+        self.sync_unsharded_grad_dtypes()  # back from ``defer_grad_upcast``
+        return grads
+
     def _reduce_dtype_for(self, grads: list[torch.Tensor | None]) -> torch.dtype:
         """The dtype this backward reduces in: ``reduce_dtype`` as resolved, or with
         per-parameter gradient dtypes and no ``reduce_dtype`` in the policy, the promotion of

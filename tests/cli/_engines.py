@@ -55,7 +55,9 @@ class _HybridReductionEngine(FSDPCoreEngine):
 
             def reduce(reduce_input: Any, unit: Any = unit, groups: Any = groups) -> Any:
                 numel = unit._grad_numel
-                tags = unit._reduce_tags() if reduce_input.shape[1] > numel else None
+                tags = (
+                    unit._reduce_tags(reduce_input.dtype) if reduce_input.shape[1] > numel else None
+                )
                 return reduce_gradients(reduce_input, numel, groups, tags, unit=unit.name)
 
             unit._reduce = reduce
