@@ -118,3 +118,33 @@ def test_cuda_fully_shard_matches_ddp(rank, process_group, device, offload):
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in low.parameters())
+
+
+@pytest.mark.distributed(world_size=WORLD_SIZE, backend="nccl")
+def test_cuda_symm_mem_for_comm_keeps_the_numbers(rank, process_group, device):
+    """``set_symm_mem_for_comm()``: all-gathers from torch's symmetric memory train to the same
+    losses as plain buffers, and as torch's FSDP2 with the same setting (skipped where the
+    installed torch's own call cannot run here: no such method, or no symmetric memory for
+    this GPU or build)."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    if not hasattr(TorchFSDPModule, "set_symm_mem_for_comm"):
+        pytest.skip(f"torch {torch.__version__} has no set_symm_mem_for_comm")
+    mesh = DeviceMesh.from_group(process_group, "cuda")
+
+    def losses(shard, symm_mem: bool) -> list[float]:
+        model = build("nested", rank).to(device)
+        shard(model.block, mesh=mesh)
+        shard(model, mesh=mesh)
+        if symm_mem:
+            model.set_symm_mem_for_comm()
+        return _train(model, rank, device)
+
+    try:
+        theirs = losses(torch_fully_shard, True)
+    except (RuntimeError, NotImplementedError, ImportError) as error:
+        pytest.skip(f"torch's own set_symm_mem_for_comm cannot run here: {error}")
+    ours = losses(fully_shard, True)
+    assert ours == losses(fully_shard, False)
+    assert ours == pytest.approx(theirs, rel=1e-6)
