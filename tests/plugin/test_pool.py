@@ -203,7 +203,7 @@ print("ok")
 """
 
 _PRELOAD = """
-import json, os, sys
+import json, os, sys, time
 from fsdp_testing._launch.rank_process import preload, preload_modules
 
 def threads():
@@ -219,6 +219,11 @@ preload_modules(["torch.not_a_module"])  # not tried again: it says so once
 assert "torch.distributed.tensor" in sys.modules and "torch._dynamo" in sys.modules
 assert "fsdp_core" in sys.modules
 assert "torch.testing._internal.common_utils" not in sys.modules and "json.tool" not in sys.modules
+# join() returns once the beat's Python code is done; its OS thread exits a moment later
+# (a fork copies only the calling thread either way), so give /proc a second to see it gone.
+deadline = time.monotonic() + 1.0
+while threads() != before and time.monotonic() < deadline:
+    time.sleep(0.01)
 assert threads() == before, f"{threads()} threads after preloading, {before} before"
 print("ok")
 """
