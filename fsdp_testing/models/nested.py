@@ -196,12 +196,6 @@ class NonUniformReqGradNWM(NestedWrappedModule):
         return nn.Sequential(first, middle, shard(nn.Sequential(shrink, last)))
 
     @staticmethod
-    def _set_nonuniform_req_grad(model: nn.Module, req_grad_mask: re.Pattern[str]) -> None:
-        for name, param in model.named_parameters():
-            if not req_grad_mask.match(name):
-                param.requires_grad_(False)
-
-    @staticmethod
     def init(
         group: dist.ProcessGroup,
         fsdp_init_mode: FSDPInitMode,
@@ -218,6 +212,13 @@ class NonUniformReqGradNWM(NestedWrappedModule):
         )
         NonUniformReqGradNWM._set_nonuniform_req_grad(model, NonUniformReqGradNWM.TRAINABLE)
         return model
+
+    @staticmethod
+    def _set_nonuniform_req_grad(model: nn.Module, req_grad_mask: re.Pattern[str]) -> None:
+        """Freeze every parameter whose name ``req_grad_mask`` does not match (torch's name)."""
+        frozen = [p for n, p in model.named_parameters() if not req_grad_mask.match(n)]
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 class MixtureOfExperts(NestedWrappedModule):

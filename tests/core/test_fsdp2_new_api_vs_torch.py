@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_core
 
+from .test_fsdp2_new_api import _batch, _full_grads, _mesh, _stack
+
 Shard = Callable[..., Any]
 
 
@@ -77,36 +79,12 @@ def _handle_class(engine: str) -> Any:
     return torch_fsdp.GradientReductionHandle  # type: ignore[attr-defined]
 
 
-def _mesh(group: dist.ProcessGroup) -> DeviceMesh:
-    return DeviceMesh.from_group(group, "cpu")
-
-
-def _stack(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4)
-    )
-
-
 def _shard_stack(engine: str, mesh: DeviceMesh, **kw: Any) -> Any:
     shard = _fully_shard(engine)
     model = _stack()
     shard(model[0], mesh=mesh, **kw)
     shard(model[2], mesh=mesh, **kw)
     return shard(model, mesh=mesh, **kw)
-
-
-def _batch(rank: int, i: int = 0) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Each parameter's full gradient (``None`` where it has none)."""
-    out: dict[str, torch.Tensor | None] = {}
-    for name, p in model.named_parameters():
-        grad = p.grad
-        out[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
-    return out
 
 
 def _assert_same(
@@ -156,7 +134,7 @@ def test_manual_finalization_with_accumulation(async_op, rank, process_group):
             if handle is not None:
                 assert isinstance(handle, _handle_class(engine)), type(handle)
                 handle.wait()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)
 
@@ -179,7 +157,7 @@ def test_manual_finalization_every_backward_synced(rank, process_group):
         for i in range(2):
             model(_batch(rank, i)).sum().backward()
         model.finalize_backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario, exact=False)
 
@@ -220,7 +198,7 @@ def test_keep_unsharded_storage_keeps_the_data_pointer(rank, process_group):
         assert pointers[0] == pointers[1], engine
         for i in range(2):
             model(_batch(rank, i)).sum().backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)
 
@@ -261,7 +239,7 @@ def test_reduce_scatter_unused_params(rank, process_group):
         model.set_reduce_scatter_unused_params(True)
         for i in range(2):
             model(_batch(rank, i)).sum().backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)
 
@@ -285,7 +263,7 @@ def test_reduce_scatter_divide_factor(rank, process_group):
                 module.set_reduce_scatter_divide_factor(4.0)
             warned[engine] = any(w.category is DeprecationWarning for w in caught)
         model(_batch(rank)).sum().backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)
     assert warned["fsdp_core"] or not warned["torch"]
@@ -304,7 +282,7 @@ def test_reduce_dtype_none_follows_the_installed_torch(param_dtype, rank, proces
         model = _shard_stack(engine, mesh, mp_policy=_policy(engine, param_dtype=param_dtype))
         for i in range(2):
             model(_batch(rank, i)).float().sum().backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)
 
@@ -343,7 +321,7 @@ def test_param_dtype_override_fn(rank, process_group):
         model.reshard()
         for i in range(2):
             model(_batch(rank, i)).sum().backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)
 
@@ -366,6 +344,6 @@ def test_replicate_a_list_of_modules(rank, process_group):
         replicate(model, mesh=mesh)
         for i in range(2):
             model(_batch(rank, i)).sum().backward()
-        return _grads(model)
+        return _full_grads(model)
 
     _both(scenario)

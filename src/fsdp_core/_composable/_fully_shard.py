@@ -99,12 +99,11 @@ def fully_shard(
     group = mesh.get_group(mesh.ndim - 1)  # the shard group: the inner dimension
     world = dist.get_world_size(group)
     only_replicate = spmd is not None and not spmd.shard_dims  # DDP on an SPMD mesh
-    if spmd is not None and isinstance(reshard_after_forward, int):
-        if not isinstance(reshard_after_forward, bool):
-            raise NotImplementedError(
-                "fully_shard: reshard_after_forward as int is not yet supported with SPMD "
-                f"mesh (dp_mesh_dims), got {reshard_after_forward}; pass True or False."
-            )
+    if spmd is not None and type(reshard_after_forward) is int:  # an int, not a bool
+        raise NotImplementedError(
+            "fully_shard: reshard_after_forward as int is not yet supported with SPMD "
+            f"mesh (dp_mesh_dims), got {reshard_after_forward}; pass True or False."
+        )
     rsf = resolve_reshard_after_forward("fully_shard", reshard_after_forward, world)
     if only_replicate:
         rsf = False  # nothing to free or gather again: see [Note: replicate]
