@@ -142,6 +142,9 @@ class RankResult:
     :class:`RankMessage` (see [Note: a rank's report is written off the clock])."""
     needs_restart: bool = False
     """The rank cannot serve another test (e.g. the body destroyed the default group)."""
+    open_p2p: tuple[dict[str, Any], ...] = ()
+    """The rank's point-to-point ops not completed when its body ended (their collective log
+    entries): a send or receive nobody met fails the test (``_report/verdict.py``)."""
     imported: tuple[str, ...] = ()
     """Preloadable modules the rank imported since its last result (see [Note: preloading what
     ranks import] in ``fsdp_testing/_launch/rank_process.py``)."""

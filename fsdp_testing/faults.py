@@ -11,13 +11,17 @@ Two ways to use it::
         with faults.inject(faults.delay(rank=0, at=1, ms=200)):
             ...
 
-``at`` is 1-based and counts the rank's collectives from the start of the test (marker) or of
-the ``with`` block: every collective, or only those of ``op`` (a family of
+``at`` is 1-based and counts the rank's calls from the start of the test (marker) or of the
+``with`` block: every collective, or only the calls of ``op`` (a family of
 :mod:`fsdp_testing.collectives`: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``,
-``"broadcast"``, ...; every spelling of a family counts as that family). The fault fires just
-before that collective starts; the report names the rank, the fault and the collective, e.g.
-``rank 1 killed by SIGKILL at all_gather #3``: the family of the collective the fault hit, and
-``at``, which counts every collective of the rank unless ``op`` names a family.
+``"broadcast"``, ...; every spelling of a family counts as that family). Point-to-point ops are
+numbered apart: ``op="send"`` counts the rank's sends (``send``, ``isend``, each op of a
+``batch_isend_irecv``), ``op="recv"`` its receives, and ``at`` with no ``op`` counts
+collectives only. The fault fires just before that call starts; the report names the rank, the
+fault and the call as every report and the collective log name it (``<op> #k``: the rank's k-th
+call of that family in the test, see [Note: one numbering] in
+``fsdp_testing/_report/collective_log.py``), e.g. ``rank 1 killed by SIGKILL at
+all_gather_into_tensor #3``.
 
 - :func:`kill`: SIGKILL the rank's process (process mode only: thread ranks share one process
   and cannot be killed, so a kill in thread or fake mode is refused with an error).
@@ -191,19 +195,26 @@ class FaultPlan:
         self._counts: dict[str | None, int] = {}
         self._fired: list[Fault] = []
 
-    def before(self, op: str, note: Any) -> None:
-        """Called just before collective ``op`` (a ``torch.distributed`` name) starts;
-        ``note(dict)`` records a fault in the rank's collective log."""
-        family = family_of(op) or op
-        self._counts[None] = self._counts.get(None, 0) + 1
+    def before(self, entry: dict[str, Any], note: Any) -> None:
+        """Called just before the call logged as ``entry`` starts (a collective log entry, see
+        [Note: one numbering] in ``fsdp_testing/_report/collective_log.py``); ``note(dict)``
+        records a fault in the rank's collective log."""
+        from fsdp_testing._report.collective_log import call_name
+
+        family = entry["family"]
+        p2p = bool(entry.get("p2p"))
+        if not p2p:  # point-to-point ops are numbered apart from collectives
+            self._counts[None] = self._counts.get(None, 0) + 1
         self._counts[family] = self._counts.get(family, 0) + 1
         for fault in self.faults:
+            if fault.op is None and p2p:
+                continue
             if fault.op is not None and fault.op != family:
                 continue  # only a call of the fault's family can be its at-th
             if self._counts[fault.op] != fault.at:
                 continue
-            where = f"{family} #{fault.at}"
-            note({"fault": fault.kind.value, "op": op, "where": where, "t": time.time()})
+            where = call_name(entry)
+            note({"fault": fault.kind.value, "op": entry["op"], "where": where, "t": time.time()})
             self._fired.append(fault)
             self._fire(fault, where)
 
@@ -254,14 +265,14 @@ class FaultPlan:
 def inject(*faults: Fault) -> Iterator[None]:
     """Inject ``faults`` into the collectives this rank runs inside the block (call it on every
     rank; each rank takes the faults naming it). Only inside a distributed test."""
-    from fsdp_testing._report import collective_log
+    from fsdp_testing._rank.comm_observer import current_recorder
 
     for fault in faults:
         if not isinstance(fault, Fault):
             raise TypeError(
                 f"faults.inject: expected faults made by faults.kill/fail/delay/hang, got {fault!r}"
             )
-    recorder = collective_log.current_recorder()
+    recorder = current_recorder()
     if recorder is None:
         raise RuntimeError(
             "faults.inject: no collective log on this rank; inject faults inside a test marked "

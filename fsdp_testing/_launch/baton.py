@@ -59,6 +59,9 @@ class Baton:
         self._entered = 0  # the first turn is given once every rank thread has started
         self._ready: set[int] = set()
         self._waiting: dict[int, str] = {}  # rank -> what it waits in
+        self._p2p: set[int] = set()  # waiting ranks whose wait is a point-to-point op
+        self.explain: Callable[[], list[str]] = list
+        """Extra lines for a deadlock's message (the world's messages nobody will take)."""
         self._finished: dict[int, bool] = {}  # rank -> whether its test failed
         self._deadlock: str | None = None
         self._aborted = False
@@ -76,8 +79,9 @@ class Baton:
             self._dispatch()
             self._wait_turn(rank)
 
-    def block(self, rank: int, what: str, done: Callable[[], bool]) -> None:
-        """The holder ``rank`` waits (in ``what``) until ``done()``; others run meanwhile.
+    def block(self, rank: int, what: str, done: Callable[[], bool], *, p2p: bool = False) -> None:
+        """The holder ``rank`` waits (in ``what``, a point-to-point op if ``p2p``) until
+        ``done()``; others run meanwhile.
 
         Raises:
             LocalDeadlock: no rank can run any more and ``done()`` is still false.
@@ -88,6 +92,10 @@ class Baton:
                 if self._aborted:
                     raise Aborted()
                 self._waiting[rank] = what
+                if p2p:
+                    self._p2p.add(rank)
+                else:
+                    self._p2p.discard(rank)
                 self._holder = None
                 self._dispatch()
                 self._wait_turn(rank)
@@ -186,12 +194,25 @@ class Baton:
             finished = sorted(r for r, f in self._finished.items() if f is failed)
             if finished:
                 parts.append(f"{_ranks(finished)} finished the test ({how})")
+        waits = set(self._waiting)
+        advice = []
+        if waits - self._p2p:
+            advice.append(
+                "Every rank of a group must issue the same collectives in the same order; "
+                "look for control flow that depends on the rank (each rank's traceback shows "
+                "the line it waits at)."
+            )
+        if waits & self._p2p:
+            from fsdp_testing._report.hang_report import P2P_ADVICE
+
+            advice.append(P2P_ADVICE)
+        extra = [line for line in self.explain() if line]
         return (
             "mode='local': no rank can go on, so a real run would hang here: "
             + "; ".join(parts)
-            + ". Every rank of a group must issue the same collectives in the same order; "
-            "look for control flow that depends on the rank (each rank's traceback shows "
-            "the line it waits at)."
+            + ". "
+            + "".join(f"{line}. " for line in extra)
+            + " ".join(advice)
         )
 
 

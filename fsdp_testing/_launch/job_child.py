@@ -48,7 +48,7 @@ class RankChild:
     def records(self) -> list[dict[str, Any]]:
         return collective_log.read_record_file(
             os.path.join(self.gen_dir, f"rank{self.rank}.flight")
-        )
+        )[0]
 
 
 def split_dump(log: str) -> tuple[str, str]:

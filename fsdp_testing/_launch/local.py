@@ -15,8 +15,9 @@ import os
 from fsdp_testing._launch.baton import Baton
 from fsdp_testing._launch.threads import run_rank_threads
 from fsdp_testing._protocol import Outcome, RankResult, Task
-from fsdp_testing._report import failure
+from fsdp_testing._report import collective_log, failure
 from fsdp_testing._report.observation import Observation
+from fsdp_testing._report.p2p import describe_p2p
 
 __all__ = ["LocalLauncher"]
 
@@ -53,6 +54,15 @@ class LocalLauncher:
             # that split work by thread count then add up the same way.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         baton = Baton(world_size)
+        recorders = {r: collective_log.FlightRecorder() for r in range(world_size)}
+
+        def explain() -> list[str]:
+            # The baton found a deadlock: every rank thread is blocked, the logs hold still.
+            records = {r: rec.snapshot() for r, rec in recorders.items()}
+            channels = {r: dict(rec.channels) for r, rec in recorders.items()}
+            return describe_p2p(records, channels)
+
+        baton.explain = explain
         local_group.set_current_world(local_group.LocalWorld(baton))
         _set_thread_isolation(True)
         mtpg._install_threaded_pg()  # per-thread c10d state; autograd runs on the rank's thread
@@ -77,6 +87,7 @@ class LocalLauncher:
                 enter=enter,
                 leave=leave,
                 wake_on_failure=False,  # the baton aborts a failed rank's peers itself
+                recorders=recorders,
             )
         finally:
             mtpg._uninstall_threaded_pg()

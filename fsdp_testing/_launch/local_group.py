@@ -29,8 +29,11 @@ from fsdp_testing._launch.collective_match import describe_call as _describe
 from fsdp_testing._launch.collective_match import group_label, mismatch_message
 from fsdp_testing._launch.collective_match import ordinal as _ordinal
 from fsdp_testing._launch.collective_match import reduce_op_name as _op_name
+from fsdp_testing._launch.mailbox import Mailbox, Transfer, self_send_error
 from fsdp_testing._launch.rank_threads import Aborted
-from fsdp_testing._report.collective_log import current_recorder
+from fsdp_testing._rank.comm_observer import current_recorder
+from fsdp_testing._report.collective_log import call_name
+from fsdp_testing._report.text import short_place
 from fsdp_testing.collectives import family_of
 
 __all__ = ["LocalGroup", "LocalWorld", "create_local_group", "register_backend"]
@@ -59,9 +62,7 @@ class LocalWorld:
     def __init__(self, baton: Baton) -> None:
         self.baton = baton
         self.meetings: dict[tuple[str, int], _Meeting] = {}
-        # (group, source group rank, destination group rank, tag) -> tensors sent, oldest first
-        self.mailbox: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
-        self.receiving: dict[int, bool] = {}  # ranks waiting in a receive
+        self.mailbox = Mailbox()
 
 
 _current: LocalWorld | None = None
@@ -385,40 +386,95 @@ class LocalGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._meet("barrier()", None, lambda payloads: None)
 
-    # --- point to point (a send is buffered; a receive waits for its message) -------------------
+    # --- point to point (gloo's rules: see ``mailbox.py``) ---------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        box = self._world.mailbox.setdefault((self._name, self._rank, dst, tag), [])
-        box.append(tensors[0].detach().clone())
-        peer = self._global_ranks[dst]
-        if self._world.receiving.get(peer):
-            self._world.baton.wake([peer])  # it looks at its mailbox again
-        return _completed([])
+        me, peer = self._global_ranks[self._rank], self._global_ranks[dst]
+        if peer == me:
+            raise ValueError(self_send_error("local", me, "a send"))
+        transfer = self._world.mailbox.send(self._name, me, peer, tag, tensors[0])
+        return self._transfer_work(transfer)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        return self._receive(tensors[0], [src], tag)
+        me, peer = self._global_ranks[self._rank], self._global_ranks[src]
+        if peer == me:
+            raise ValueError(self_send_error("local", me, "a receive"))
+        transfer = self._world.mailbox.recv(self._name, peer, me, tag, tensors[0])
+        return self._transfer_work(transfer)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
-        return self._receive(tensors[0], [r for r in range(self._size) if r != self._rank], tag)
+        me = self._global_ranks[self._rank]
+        transfer = self._world.mailbox.recv(self._name, None, me, tag, tensors[0])
+        return self._transfer_work(transfer)
 
-    def _receive(self, tensor: torch.Tensor, sources: list[int], tag: int) -> dist.Work:
+    def _transfer_work(self, transfer: Transfer) -> dist.Work:
+        if transfer.done:
+            # This rank's op met one its peer posted earlier: the peer may wait on it.
+            partner = transfer.source if transfer.peer is None else transfer.peer
+            if partner is not None:
+                self._world.baton.wake([partner])
+            if transfer.error is not None:
+                raise RuntimeError(transfer.error)
+        return _local_work_class()(self, transfer)
+
+    def _wait_transfer(self, transfer: Transfer) -> None:
         world, me = self._world, self._global_ranks[self._rank]
-        keys = [(self._name, src, self._rank, tag) for src in sources]
+        if not transfer.done:
+            entry = transfer.entry
+            what = call_name(entry) if entry else "a point-to-point op"
+            if entry and entry.get("at"):
+                what += f" (at {short_place(entry['at'])})"
+            world.baton.block(me, what, lambda: transfer.done, p2p=True)
+        if transfer.error is not None:
+            raise RuntimeError(transfer.error)
 
-        def ready() -> bool:
-            return any(world.mailbox.get(key) for key in keys)
 
-        if not ready():
-            what = f"recv({_describe('', [tensor])[1:-1]}, from group rank "
-            what += f"{sources[0] if len(sources) == 1 else 'any'}, tag {tag}) on {self._label()}"
-            world.receiving[me] = True
-            try:
-                world.baton.block(me, what, ready)
-            finally:
-                world.receiving.pop(me, None)
-        key = next(key for key in keys if world.mailbox.get(key))
-        tensor.detach().copy_(world.mailbox[key].pop(0))
-        return _completed([tensor])
+_local_work: type | None = None
+
+
+def _local_work_class() -> type:
+    """The work of a local-mode message: ``wait`` hands the baton on until its peer's op met
+    it (see [Note: local mode] in ``baton.py``)."""
+    global _local_work
+    if _local_work is not None:
+        return _local_work
+
+    class TransferWork(dist.Work):
+        def __init__(self, group: LocalGroup, transfer: Transfer) -> None:
+            super().__init__()
+            self._group = group
+            self._transfer = transfer
+
+        def wait(self, timeout: Any = None) -> bool:
+            self._group._wait_transfer(self._transfer)
+            return True
+
+        def is_completed(self) -> bool:
+            return self._transfer.done
+
+        def is_success(self) -> bool:
+            return self._transfer.done and self._transfer.error is None
+
+        def exception(self) -> Any:
+            error = self._transfer.error
+            return RuntimeError(error) if error is not None else None
+
+        def _source_rank(self) -> int:
+            ranks = self._group._global_ranks
+            source = self._transfer.source
+            return ranks.index(source) if source in ranks else -1
+
+        def source_rank(self) -> int:
+            return self._source_rank()
+
+        def result(self) -> list[torch.Tensor]:
+            return [self._transfer.tensor]
+
+        def synchronize(self) -> None:
+            self.wait()
+
+    _local_work = TransferWork
+    return TransferWork
 
 
 def create_local_group(options: Any, backend_options: Any) -> LocalGroup:

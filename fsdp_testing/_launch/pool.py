@@ -42,6 +42,7 @@ from typing import cast
 
 from fsdp_testing._launch.deadline import Deadline, pg_timeout_for
 from fsdp_testing._launch.socket_root import socket_root
+from fsdp_testing._launch.wait_watch import WaitWatch, note_deadlock, process_asleep
 from fsdp_testing._protocol import (
     REPORT_TIMEOUT_S,
     RESET_TIMEOUT_S,
@@ -365,10 +366,20 @@ class ProcessLauncher:
     ) -> Observation:
         pending = {conn: rank for rank, conn in enumerate(gen.conns)}
         obs = Observation(world_size=gen.world_size, timeout=timeout)
+        watch = WaitWatch(lambda: _read_logs(gen), process_asleep(dict(enumerate(gen.pids))))
         while pending:
-            ready = wait(list(pending), timeout=deadline.remaining())
+            left = deadline.remaining()
+            if not deadline.failed:  # a failure's grace is short: no deadlock to look for
+                left = min(left, max(watch.until_next(), 0.001))
+            ready = wait(list(pending), timeout=left)
             if not ready:
-                break
+                if deadline.expired():
+                    break
+                found = None if deadline.failed else watch.look(obs.results)
+                if found is not None:
+                    note_deadlock(obs, found, watch.elapsed)
+                    break
+                continue
             for ready_conn in ready:
                 conn = cast(Connection, ready_conn)
                 rank = pending.pop(conn)
@@ -383,7 +394,7 @@ class ProcessLauncher:
                 if result.outcome is Outcome.FAILED:
                     deadline.note_failure()
         obs.stragglers = set(pending.values())
-        obs.timed_out = deadline.timed_out(bool(obs.stragglers))
+        obs.timed_out = bool(obs.deadlock) or deadline.timed_out(bool(obs.stragglers))
         if obs.stragglers:
             # See [Note: collective log]: read what every rank was doing.
             for rank in obs.stragglers:
@@ -397,9 +408,10 @@ class ProcessLauncher:
             self._kill([gen.pids[r] for r in obs.stragglers])
         self._read_messages(gen, obs)
         failed = any(r.outcome is Outcome.FAILED for r in obs.results.values())
-        if failed or obs.stragglers or obs.dead:  # only a failure's report reads them
+        in_flight = any(r.open_p2p for r in obs.results.values())
+        if failed or obs.stragglers or obs.dead or in_flight:  # only a report reads them
             for rank in range(gen.world_size):
-                obs.records[rank] = collective_log.read_record_file(
+                obs.records[rank], obs.channels[rank] = collective_log.read_record_file(
                     os.path.join(gen.gen_dir, f"rank{rank}.flight")
                 )
         if obs.dead:
@@ -448,6 +460,17 @@ class ProcessLauncher:
         if self._server is not None:
             self._server.close()
         shutil.rmtree(self._root, ignore_errors=True)
+
+
+def _read_logs(
+    gen: _Generation,
+) -> tuple[dict[int, list[dict]], dict[int, dict[str, int] | None]]:
+    records: dict[int, list[dict]] = {}
+    channels: dict[int, dict[str, int] | None] = {}
+    for rank in range(gen.world_size):
+        path = os.path.join(gen.gen_dir, f"rank{rank}.flight")
+        records[rank], channels[rank] = collective_log.read_record_file(path)
+    return records, channels
 
 
 def _strip_output(log: str, rank: int, obs: Observation) -> str:

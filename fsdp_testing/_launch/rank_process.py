@@ -34,6 +34,7 @@ from fsdp_testing._protocol import (
     RankResult,
     Stop,
 )
+from fsdp_testing._rank import comm_observer
 from fsdp_testing._rank.capture import install_router
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
@@ -198,7 +199,11 @@ def serve(
 
         set_default_engine(os.environ[ENGINE_ENV])
     recorder = collective_log.FlightRecorder(path=os.path.join(spec.gen_dir, f"rank{rank}.flight"))
-    collective_log.install(lambda: recorder)
+
+    def flight_log() -> collective_log.FlightRecorder:
+        return recorder
+
+    comm_observer.install(flight_log)
     state = RankState()
     router = install_router(tee=log)
     failure.format_in_parent()  # kept as Pending: formatted after the result is sent, below
@@ -215,6 +220,7 @@ def serve(
         recorder.reset()
         try:
             task = pickle.loads(payload)
+            comm_observer.install(flight_log)  # process group classes the test defines
         except BaseException:
             result = RankResult.harness_failure(
                 rank,

@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable, Iterable
 
 from fsdp_testing._launch.deadline import FAILURE_GRACE_S, Deadline
+from fsdp_testing._launch.wait_watch import WaitWatch, note_deadlock, threads_asleep
 from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.observation import Observation
 
@@ -85,6 +86,7 @@ class RankThreads:
         obs: where results, stragglers, stacks and unstoppable ranks are written.
         wake: makes every rank blocked in a collective give up (called from this thread only,
             at most once per run; must not block). See [Note: stopping rank threads].
+        watch: looks for a certain deadlock while ranks run (default: none).
         wake_on_failure: call ``wake`` as soon as a rank fails (default True); False when the
             world stops the failed rank's peers by itself (local mode), so ``wake`` only comes
             when the wait gives up, and no failure grace applies: a rank of such a world still
@@ -100,8 +102,10 @@ class RankThreads:
         wake: Callable[[], None],
         *,
         wake_on_failure: bool = True,
+        watch: WaitWatch | None = None,
     ) -> None:
         self.obs = obs
+        self._watch = watch
         self._wake = wake
         self._wake_on_failure = wake_on_failure
         self._woken = False
@@ -110,7 +114,11 @@ class RankThreads:
             for r in ranks
         }
 
-    def run(self, timeout: float, snapshot: Callable[[], dict[int, list[dict]]]) -> None:
+    def run(
+        self,
+        timeout: float,
+        snapshot: Callable[[], tuple[dict[int, list[dict]], dict[int, dict[str, int] | None]]],
+    ) -> None:
         """Start the threads and wait for them under the deadline of ``timeout`` seconds (see
         [Note: deadline and failure grace]); stop the ones still running at the end.
         ``snapshot()`` gives each rank's collective log, read when the wait gives up."""
@@ -128,7 +136,7 @@ class RankThreads:
         for rank in to_stop:
             frame = frames.get(self.threads[rank].ident or -1)
             obs.stacks[rank] = "".join(traceback.format_stack(frame)) if frame else ""
-        obs.records = snapshot()
+        obs.records, obs.channels = snapshot()
         obs.stragglers = set(in_body)
         self._stop(stuck, interrupt=set(to_stop))
         for rank in in_body:
@@ -136,6 +144,12 @@ class RankThreads:
         if not in_body:
             for rank in stuck:
                 obs.results[rank] = _teardown_failure(rank, obs)
+
+    def asleep(self, ranks: tuple[int, ...]) -> bool:
+        """Whether the threads of ``ranks`` are asleep (for a :class:`WaitWatch`)."""
+        return threads_asleep(
+            t.native_id for r, t in self.threads.items() if r in ranks and t.native_id
+        )
 
     def wake_once(self) -> None:
         """Wake the ranks' waits (the first call only). See [Note: stopping rank threads]."""
@@ -169,6 +183,12 @@ class RankThreads:
             if left <= 0.0:
                 self.obs.timed_out = deadline.timed_out(bool(in_body))
                 return alive
+            if self._watch is not None and in_body and not deadline.failed:
+                found = self._watch.look(list(results))
+                if found is not None:
+                    note_deadlock(self.obs, found, self._watch.elapsed)
+                    self.obs.timed_out = True
+                    return alive
             self.threads[alive[0]].join(min(_POLL_S, left))
 
     def _stop(self, ranks: list[int], interrupt: set[int]) -> None:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from fsdp_testing._launch import thread_turns
+from fsdp_testing._launch import thread_p2p, thread_turns
 from fsdp_testing._launch.collective_match import (
     describe_call,
     group_label,
@@ -67,10 +67,12 @@ def installed() -> Iterator[None]:
     group._start_coll = classmethod(_start_collective)  # type: ignore[assignment]
     group._end_coll = classmethod(_end_collective)  # type: ignore[assignment]
     group.barrier = _barrier  # type: ignore[method-assign]
+    thread_p2p.install(group, stopped=_terminated)
     try:
         yield
     finally:
         # Never blocks: see [Note: stopping rank threads].
+        thread_p2p.uninstall(group)
         for name, method in torch_methods.items():
             setattr(group, name, method)
         mtpg._store_based_barrier = torch_barrier

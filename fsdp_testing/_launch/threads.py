@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp_testing._launch.rank_threads import Aborted, RankThreads
+from fsdp_testing._launch.wait_watch import WaitWatch
 from fsdp_testing._protocol import Outcome, RankResult, Task
+from fsdp_testing._rank import comm_observer
 from fsdp_testing._rank.capture import install_router
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
@@ -80,24 +82,29 @@ def run_rank_threads(
     leave: Callable[[int, RankResult], None] | None = None,
     ended: Callable[[int], None] | None = None,
     wake_on_failure: bool = True,
+    watch_deadlocks: bool = False,
+    recorders: dict[int, collective_log.FlightRecorder] | None = None,
 ) -> Observation:
     """Run ``task`` on one thread per rank of ``ranks`` in this process, each joining a
     ``backend`` group of ``world_size`` through ``store``; shared by thread, fake and local
     mode. ``enter(rank)`` and ``leave(rank, result)`` run first and last on each rank thread
     (local mode's baton); ``ended(rank)`` right after its test body, before the rank leaves its
     process group (thread mode's turns); ``wake()`` stops the ranks' waits, as soon as a rank
-    fails unless ``wake_on_failure`` is False (see [Note: stopping rank threads])."""
+    fails unless ``wake_on_failure`` is False (see [Note: stopping rank threads]);
+    ``watch_deadlocks`` ends the test at a certain deadlock (``wait_watch.py``); ``recorders``
+    are the ranks' collective logs (default: new ones)."""
     import torch
     import torch.distributed as dist
 
     _settle_cuda_device_guard()
     state = RankState()
     saved_streams = (sys.stdout, sys.stderr)
-    recorders = {r: collective_log.FlightRecorder() for r in ranks}
+    if recorders is None:
+        recorders = {r: collective_log.FlightRecorder() for r in ranks}
     local = threading.local()
     obs = Observation(world_size=world_size, timeout=timeout)
     router = install_router()
-    collective_log.install(lambda: getattr(local, "recorder", None))
+    comm_observer.install(lambda: getattr(local, "recorder", None))
     quiet = _QuietCollectiveErrors()
 
     def body(rank: int) -> None:
@@ -128,20 +135,25 @@ def run_rank_threads(
             if leave is not None:
                 leave(rank, result)
 
-    threads = RankThreads(ranks, body, obs, wake, wake_on_failure=wake_on_failure)
+    def snapshot() -> tuple[dict[int, list[dict]], dict[int, dict[str, int] | None]]:
+        records = {r: rec.snapshot() for r, rec in recorders.items()}
+        return records, {r: dict(rec.channels) for r, rec in recorders.items()}
 
-    def snapshot() -> dict[int, list[dict]]:
-        return {r: rec.snapshot() for r, rec in recorders.items()}
+    watch = None
+    if watch_deadlocks:
+        watch = WaitWatch(snapshot, lambda stuck: threads.asleep(stuck))
+    threads = RankThreads(ranks, body, obs, wake, wake_on_failure=wake_on_failure, watch=watch)
 
     try:
         threads.run(timeout, snapshot)
-        if not obs.records and any(res.outcome is Outcome.FAILED for res in obs.results.values()):
+        report = any(r.outcome is Outcome.FAILED or r.open_p2p for r in obs.results.values())
+        if not obs.records and report:
             # The report names the collective each aborted peer was in and the failed rank's
             # last one, as process mode's does.
-            obs.records = snapshot()
+            obs.records, obs.channels = snapshot()
     finally:
         quiet.remove()
-        collective_log.uninstall()
+        comm_observer.uninstall()
         sys.stdout, sys.stderr = saved_streams
         state.restore()
     return obs
@@ -172,6 +184,7 @@ class ThreadLauncher:
                 wake=thread_group.wake,
                 enter=turns.enter,
                 ended=lambda rank: turns.leave(),
+                watch_deadlocks=True,
             )
 
     def shutdown(self) -> None:

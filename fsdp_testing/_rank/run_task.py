@@ -55,7 +55,7 @@ def _faults_injected(task: Task, ctx: RankContext) -> Iterator[None]:
     if not task.faults:
         yield
         return
-    from fsdp_testing._report.collective_log import current_recorder
+    from fsdp_testing._rank.comm_observer import current_recorder
     from fsdp_testing.faults import FaultPlan
 
     recorder = current_recorder()
@@ -67,6 +67,18 @@ def _faults_injected(task: Task, ctx: RankContext) -> Iterator[None]:
     finally:
         recorder.faults = None
     plan.check_fired("the test")  # only once the body ended without raising
+
+
+def _note_open_p2p(result: RankResult) -> None:
+    """Point-to-point ops the body left in flight: the verdict fails a test whose ops nobody
+    met, and a warm process group with a message in flight cannot serve the next test (it would
+    meet that test's first op on the channel)."""
+    from fsdp_testing._rank.comm_observer import current_recorder
+
+    recorder = current_recorder()
+    if recorder is not None and recorder.open:
+        result.open_p2p = tuple(dict(e) for e in recorder.open.values())
+        result.needs_restart = True
 
 
 def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> RankResult:
@@ -118,6 +130,7 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
     finally:
         result.finished_at = time.time()
         result.duration = time.monotonic() - start
+        _note_open_p2p(result)
         if router is not None:
             result.stdout = router.end()
     return result

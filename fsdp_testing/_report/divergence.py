@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fsdp_testing._report.collective_log import call_name, is_inside
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.text import ranks_phrase
 from fsdp_testing.collectives import family_of
@@ -20,8 +21,9 @@ __all__ = [
 
 
 def collectives_only(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The collective entries of a log, without the notes of injected faults."""
-    return [e for e in entries if "fault" not in e]
+    """The collective entries of a log, without its point-to-point ops (``p2p.py`` reads them)
+    and the notes of injected faults."""
+    return [e for e in entries if "fault" not in e and not e.get("p2p")]
 
 
 def injected_faults(records: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
@@ -32,11 +34,11 @@ def injected_faults(records: dict[int, list[dict[str, Any]]]) -> dict[int, list[
 
 def _family(e: dict[str, Any]) -> str:
     # Two spellings of one collective (all_gather_into_tensor, _all_gather_base) match.
-    return family_of(e["op"]) or e["op"]
+    return str(e.get("family") or family_of(e["op"]) or e["op"])
 
 
 def _fmt(e: dict[str, Any]) -> str:
-    return f"{e['op']} #{e['seq']}" + ("" if e["group"] == "default" else f" on {e['group']}")
+    return call_name(e)
 
 
 def _last_per_group(
@@ -60,7 +62,7 @@ def never_entered(records: dict[int, list[dict[str, Any]]]) -> dict[int, tuple[s
     records = {r: collectives_only(entries) for r, entries in records.items()}
     found: dict[int, tuple[str, list[int]]] = {}
     for last in _last_per_group(records):
-        waiting = {r: e for r, e in last.items() if e is not None and e["state"] == "entered"}
+        waiting = {r: e for r, e in last.items() if e is not None and is_inside(e)}
         for r, e in sorted(waiting.items()):
             for peer, pe in sorted(last.items()):
                 if peer != r and (pe is None or pe["seq"] < e["seq"]):
@@ -71,6 +73,7 @@ def never_entered(records: dict[int, list[dict[str, Any]]]) -> dict[int, tuple[s
 
 
 _PLURAL = {"shapes": "shapes", "dtype": "dtypes"}
+
 
 
 def _wait(ranks: set[int] | list[int]) -> str:
@@ -87,6 +90,8 @@ def describe_divergence(
     peer never entered ``#k`` (or entered another op as ``#k``) is the usual cause of a hang.
     ``where`` places ranks on nodes in a job across nodes (see ``text.rank_label``).
     """
+    if not any(collectives_only(entries) for entries in records.values()):
+        return []
     records = {r: collectives_only(entries) for r, entries in records.items()}
     # finding -> (waiting ranks, peers), in the order first found
     found: dict[tuple[str, ...], tuple[set[int], set[int]]] = {}
@@ -97,7 +102,7 @@ def describe_divergence(
         peers.add(peer)
 
     for last in _last_per_group(records):
-        waiting = {r: e for r, e in last.items() if e is not None and e["state"] == "entered"}
+        waiting = {r: e for r, e in last.items() if e is not None and is_inside(e)}
         for r, e in sorted(waiting.items()):
             for peer, pe in sorted(last.items()):
                 if peer == r:
@@ -147,14 +152,12 @@ def describe_divergence(
                 f"with {key[3]}"
             )
     if not lines:
-        inside = [r for r, es in records.items() if es and es[-1]["state"] == "entered"]
+        inside = [r for r, es in records.items() if es and is_inside(es[-1])]
         if inside:
             lines.append(
                 f"{ranks_phrase(inside, where)} {_wait(inside)} inside a collective that every "
                 "rank entered (a slow or stuck peer outside any recorded collective?)"
             )
-        else:
-            lines.append("no rank is inside a recorded collective: the hang is in user code")
     return lines
 
 
@@ -163,18 +166,19 @@ def format_records(
     last: int = 5,
     where: Mapping[int, str] | None = None,
 ) -> list[str]:
-    """The last ``last`` collectives of each rank, one line each; ranks whose logs are the same
-    share one entry (``where``: see :func:`describe_divergence`)."""
+    """The last ``last`` calls of each rank (collectives and point-to-point ops), one line each;
+    ranks whose logs are the same share one entry (``where``: see :func:`describe_divergence`)."""
 
     def line(e: dict[str, Any]) -> str:
         return f"    {_fmt(e)} shapes={e['shapes']} dtype={e['dtype']} [{e['state']}]"
 
-    shown = {r: tuple(line(e) for e in collectives_only(es)[-last:]) for r, es in records.items()}
+    calls = {r: [e for e in es if "fault" not in e] for r, es in records.items()}
+    shown = {r: tuple(line(e) for e in es[-last:]) for r, es in calls.items()}
     out: list[str] = []
     for ranks in group_ranks(shown):
         lines = shown[ranks[0]]
         if not lines:
-            out.append(f"  {ranks_phrase(ranks, where)}: no collectives recorded")
+            out.append(f"  {ranks_phrase(ranks, where)}: no calls recorded")
             continue
         out.append(f"  {ranks_phrase(ranks, where)}:")
         out.extend(lines)

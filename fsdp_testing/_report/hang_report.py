@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from fsdp_testing._protocol import Outcome, RankResult
+from fsdp_testing._report.collective_log import call_name
+from fsdp_testing._report.deadlock import blocking_entry
 from fsdp_testing._report.divergence import (
     describe_divergence,
     format_records,
@@ -23,9 +25,18 @@ from fsdp_testing._report.divergence import (
 from fsdp_testing._report.failure import mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import ranks_heading, ranks_phrase
+from fsdp_testing._report.p2p import describe_p2p, pending_p2p
+from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase
 
-__all__ = ["readable_stack", "stack_key", "stack_sources", "timeout_report", "trim_stack"]
+__all__ = [
+    "P2P_ADVICE",
+    "calls_section",
+    "readable_stack",
+    "stack_key",
+    "stack_sources",
+    "timeout_report",
+    "trim_stack",
+]
 
 _HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
@@ -203,16 +214,75 @@ def _holdups(obs: Observation) -> list[str]:
     return lines
 
 
+def calls_section(obs: Observation) -> list[str]:
+    """What the ranks' logs say about a hang or a crash: where their collectives diverge, what
+    their point-to-point ops wait for, the advice that fits the kind of call that hung, and each
+    rank's last calls."""
+    where = obs.where
+    finished = {
+        r: _finished_phrase(res).removeprefix("finished the test ")
+        for r, res in obs.results.items()
+    }
+    finished = {r: text.strip("()") for r, text in finished.items()}
+    parts: list[str] = []
+    collective = describe_divergence(obs.records, where)
+    if collective:
+        parts.append("\ncollective divergence:")
+        parts.extend("  " + line for line in collective)
+    p2p = describe_p2p(obs.records, obs.channels, finished=finished, where=where)
+    pending = pending_p2p(obs.records)
+    if p2p or pending:
+        parts.append("\npoint-to-point:")
+        parts.extend("  " + line for line in p2p)
+        for rank, ops in sorted(pending.items())[:PENDING_SHOWN]:
+            shown = ", ".join(f"{call_name(e)} [{e['state']}]" for e in ops[-4:])
+            parts.append(f"  {rank_label(rank, where)} pending: {shown}")
+        if len(pending) > PENDING_SHOWN:
+            more = sorted(pending)[PENDING_SHOWN:]
+            parts.append(f"  ({ranks_phrase(more, where)} have pending ops too)")
+        if obs.deadlock or any("no matching" in line for line in p2p):
+            parts.append(f"  {P2P_ADVICE}")
+    blocked = [r for r, es in obs.records.items() if blocking_entry(es) is not None]
+    if not blocked and not obs.deadlock:
+        parts.append(
+            "\nno rank is inside a recorded call (collective or point-to-point): the hang is "
+            "in user code"
+        )
+    parts.append("\nlast collectives per rank:")
+    parts.extend(format_records(obs.records, where=where))
+    return parts
+
+
+#: What a report says where point-to-point ops are involved.
+P2P_ADVICE = (
+    "A blocking send waits until its receive is posted (gloo, nccl): two ranks that both send "
+    "first, or both receive first, wait for each other. Each send needs a receive of the same "
+    "size and tag on its peer; use isend/irecv or batch_isend_irecv, or order calls by rank."
+)
+#: The most ranks whose pending point-to-point ops a report lists one by one.
+PENDING_SHOWN = 8
+
+
 def timeout_report(obs: Observation) -> str:
-    """The report of a test that hit its timeout: the collective divergence on top, then the
-    stacks of the ranks still running, ranks stopped at the same place sharing one."""
+    """The report of a test that hit its timeout, or that a certain deadlock ended before it
+    (``obs.deadlock``): the wait cycle and the collective and point-to-point divergence on top,
+    then the stacks of the ranks still running, ranks stopped at the same place sharing one."""
     running = sorted(obs.stragglers)
     where = obs.where
-    parts = [
-        f"timed out after {obs.timeout:g} s: {ranks_phrase(running, where)} "
-        f"still running (of world size {obs.world_size})"
-    ]
-    parts.extend(_holdups(obs))
+    if obs.deadlock:
+        stuck = obs.deadlock_ranks or tuple(running)
+        parts = [
+            f"deadlock: {ranks_phrase(stuck, where)} can never go on (of world size "
+            f"{obs.world_size}); found {obs.deadlock_after:.1f} s into the test and ended "
+            f"there, before the timeout ({obs.timeout:g} s)"
+        ]
+        parts.extend(obs.deadlock)
+    else:
+        parts = [
+            f"timed out after {obs.timeout:g} s: {ranks_phrase(running, where)} "
+            f"still running (of world size {obs.world_size})"
+        ]
+        parts.extend(_holdups(obs))
     for rank, faults in sorted(injected_faults(obs.records).items()):
         for fault in faults:
             if fault["fault"] == "hang":
@@ -222,16 +292,14 @@ def timeout_report(obs: Observation) -> str:
             f"{ranks_phrase(sorted(obs.unstoppable))} could not be stopped (blocked outside Python)"
         )
     if obs.records:
-        parts.append("\ncollective divergence:")
-        parts.extend("  " + line for line in describe_divergence(obs.records, where))
-        parts.append("\nlast collectives per rank:")
-        parts.extend(format_records(obs.records, where=where))
+        parts.extend(calls_section(obs))
     stacks = {
         r: readable_stack(obs.stacks.get(r, "(none)"), obs.sources.get(r)).rstrip() for r in running
     }
     for ranks in group_ranks({r: stack_key(text) for r, text in stacks.items()}):
         heading = ranks_heading(ranks, where, of=obs.world_size)
-        parts.append(f"\n{heading} stack when the timeout hit:\n{stacks[ranks[0]]}")
+        when = "the deadlock was found" if obs.deadlock else "the timeout hit"
+        parts.append(f"\n{heading} stack when {when}:\n{stacks[ranks[0]]}")
     failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
     keys = {r: res.fingerprint or mask(res.summary) for r, res in failed.items()}
     for ranks in group_ranks(keys, {r: res.finished_at for r, res in failed.items()}):

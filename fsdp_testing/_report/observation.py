@@ -24,6 +24,17 @@ class Observation:
     exit_status: dict[int, str] = dataclasses.field(default_factory=dict)
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)
     records: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
+    """Each rank's collective log (``collective_log.py``): its last calls, oldest first."""
+    channels: dict[int, dict[str, int] | None] = dataclasses.field(default_factory=dict)
+    """Each rank's message counts per point-to-point channel (None: unknown), which its log's
+    ring may have lost (see [Note: collective log])."""
+    deadlock: list[str] = dataclasses.field(default_factory=list)
+    """The wait cycle that ended the test before its timeout (``deadlock.py``), in words; empty
+    when none did."""
+    deadlock_ranks: tuple[int, ...] = ()
+    """The ranks of that deadlock."""
+    deadlock_after: float = 0.0
+    """Seconds into the test when the deadlock was certain."""
     last_output: dict[int, str] = dataclasses.field(default_factory=dict)
     unstoppable: set[int] = dataclasses.field(default_factory=set)
     """Thread ranks that could not be stopped (blocked outside Python)."""

@@ -12,6 +12,7 @@ __all__ = [
     "rank_ranges",
     "ranks_heading",
     "ranks_phrase",
+    "short_place",
 ]
 
 
@@ -104,6 +105,14 @@ def rank_heading(rank: int, where: Mapping[int, str] | None = None) -> str:
     """The ``[rank N]`` heading a per-rank section or message starts with (``[rank 3 (node 1,
     local rank 1)]`` in a job across nodes)."""
     return f"[{rank_label(rank, where)}]"
+
+
+def short_place(at: str) -> str:
+    """``path:line`` of a call as reports show it: the file's folder and name
+    (``tests/test_pipe.py:42``)."""
+    path, _, line = at.rpartition(":")
+    parts = path.split("/")
+    return f"{'/'.join(parts[-2:])}:{line}" if len(parts) > 2 else at
 
 
 def add_note(exc: BaseException, note: str) -> None:

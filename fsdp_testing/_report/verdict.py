@@ -12,17 +12,14 @@ import dataclasses
 import enum
 
 from fsdp_testing._protocol import Outcome, RankResult
-from fsdp_testing._report.divergence import (
-    collectives_only,
-    describe_divergence,
-    format_records,
-    injected_faults,
-)
+from fsdp_testing._report.collective_log import call_name
+from fsdp_testing._report.divergence import injected_faults
 from fsdp_testing._report.failure import explanation, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
-from fsdp_testing._report.hang_report import stack_key, timeout_report, trim_stack
+from fsdp_testing._report.hang_report import calls_section, stack_key, timeout_report, trim_stack
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.text import ranks_heading, ranks_phrase
+from fsdp_testing._report.p2p import describe_p2p, unmatched
+from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
 
@@ -61,6 +58,7 @@ def judge(obs: Observation) -> Verdict:
         (f"output {ranks_heading(ranks, obs.where)}", printed[ranks[0]])
         for ranks in group_ranks(printed)
     ]
+    _fail_unmet_messages(obs)
     failed = {r: res for r, res in obs.results.items() if res.outcome is Outcome.FAILED}
     if obs.timed_out:
         return Verdict(VerdictOutcome.FAILED, timeout_report(obs), sections)
@@ -73,6 +71,35 @@ def judge(obs: Observation) -> Verdict:
     if xfailed:
         return Verdict(VerdictOutcome.XFAILED, xfailed[0].message, sections)
     return Verdict(VerdictOutcome.PASSED, "", sections)
+
+
+def _fail_unmet_messages(obs: Observation) -> None:
+    """A rank whose body returned with a send or receive that no peer's op will ever meet fails
+    (a message to the wrong rank, or a receive nobody sends): gloo would keep it in flight
+    until the process ends, and the next test on the same ranks would meet it."""
+    for rank, res in sorted(obs.results.items()):
+        if res.outcome is not Outcome.PASSED or not res.open_p2p:
+            continue
+        records = {**obs.records, rank: [*obs.records.get(rank, []), *res.open_p2p]}
+        unmet = [e for e in res.open_p2p if unmatched(records, obs.channels, rank, e)]
+        if not unmet:
+            continue
+        lines = []
+        for e in unmet:
+            peer = rank_label(int(e["peer"]))
+            never = "received" if e["family"] == "send" else "sent"
+            at = f" (at {short_place(e['at'])})" if e.get("at") else ""
+            lines.append(
+                f"rank {rank} ended its test with {call_name(e)}{at} never {never}: {peer} "
+                f"posted no matching {'receive' if never == 'received' else 'send'}"
+            )
+        res.outcome = Outcome.FAILED
+        res.summary = lines[0] + (f" (and {len(lines) - 1} more)" if len(lines) > 1 else "")
+        res.message = "\n".join(lines) + (
+            "\nA message to the wrong rank, or one nobody receives, is a bug a real run hides "
+            "until it hangs: check each peer's arithmetic and that every send has its receive."
+        )
+        res.finished_at = res.finished_at or 0.0
 
 
 #: How much of a dead rank's output the report shows, and of faulthandler's dump of its threads.
@@ -156,19 +183,29 @@ def _who_died(rank_group: list[int], obs: Observation, faults: dict[int, list[di
     kills = [f for f in faults.get(first, ()) if f["fault"] == "kill"]
     if kills and len(rank_group) == 1:
         died += f" at {kills[-1]['where']} (injected by faults.kill)"
+    elif mismatch := _size_mismatch(obs, first):
+        died += f": {mismatch}"
     return died
 
 
 def _last_call(obs: Observation, rank: int) -> str | None:
-    """``all_reduce #2 [entered]``: the rank's last recorded collective (None: no log)."""
-    entries = collectives_only(obs.records.get(rank, []))
+    """``all_reduce #2 [entered]``: the rank's last recorded call (None: no log)."""
     if rank not in obs.records:
         return None
+    entries = [e for e in obs.records[rank] if "fault" not in e]
     if not entries:
         return "no collective"
     e = entries[-1]
-    group = "" if e["group"] == "default" else f" on {e['group']}"
-    return f"{e['op']} #{e['seq']}{group} [{e['state']}]"
+    return f"{call_name(e)} [{e['state']}]"
+
+
+def _size_mismatch(obs: Observation, rank: int) -> str:
+    """The size mismatch of a message ``rank`` received or sent, as the point-to-point section
+    words it (empty: none): gloo aborts a rank whose receive gets another size."""
+    for line in describe_p2p(obs.records, obs.channels, where=obs.where):
+        if line.startswith("size mismatch") and f"rank {rank}'s" in line:
+            return line
+    return ""
 
 
 def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
@@ -272,10 +309,7 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         line = f"{ranks_heading(ranks, where, of=world)} aborted: {what} broke because {because} "
         tail = _cut(named + error, max(60, LINE_CHARS - len(line) - len("failed ")))
         parts.append(f"\n{line}failed{' ' if named else ''}{tail}")
-    if dead and any(collectives_only(entries) for entries in obs.records.values()):
-        # A crash inside a collective (gloo's abort on a mismatch): as a hang report shows it.
-        parts.append("\ncollective divergence:")
-        parts.extend("  " + line for line in describe_divergence(obs.records, where))
-        parts.append("\nlast collectives per rank:")
-        parts.extend(format_records(obs.records, where=where))
+    if dead and any(obs.records.values()):
+        # A crash inside a call (gloo's abort on a mismatch): as a hang report shows it.
+        parts.extend(calls_section(obs))
     return "\n".join(parts)

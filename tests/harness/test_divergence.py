@@ -89,8 +89,9 @@ def _e(
             id="two-spellings-of-one-collective-match",
         ),
         pytest.param(
+            # What no collective explains is said by the report around it (``calls_section``).
             {0: [_e(1, "barrier", "completed")], 1: [_e(1, "barrier", "completed")]},
-            ["no rank is inside a recorded collective: the hang is in user code"],
+            [],
             id="hang-outside-collectives",
         ),
         pytest.param(
@@ -118,7 +119,7 @@ def test_format_records_shows_the_last_collectives_of_each_rank() -> None:
     assert lines[0] == "  rank 0:"
     assert lines[1] == "    all_reduce #3 shapes=[[4]] dtype=float32 [completed]"
     assert len(lines) == 1 + 5 + 1
-    assert lines[-1] == "  rank 1: no collectives recorded"
+    assert lines[-1] == "  rank 1: no calls recorded"
 
 
 STACK = """\
@@ -196,31 +197,85 @@ def test_readable_stack_leaves_text_without_frames_alone() -> None:
     assert readable_stack("(no stack dump)") == "(no stack dump)"
 
 
+def _call(op: str, family: str, tensors: list[Any], **fields: Any) -> Any:
+    from fsdp_testing._rank.comm_observer import CommCall
+
+    base: dict[str, Any] = {
+        "op": op,
+        "family": family,
+        "method": op,
+        "p2p": family in ("send", "recv"),
+        "rank": 0,
+        "group": None,
+        "group_name": "default",
+        "group_ranks": (0, 1),
+        "outputs": tensors,
+        "inputs": tensors,
+        "nbytes": sum(t.numel() * t.element_size() for t in tensors),
+        "dtype": "float32" if tensors else None,
+        "blocking": True,
+    }
+    base.update(fields)
+    return CommCall(**base)
+
+
 def test_flight_record_file_reads_back_what_the_rank_recorded(tmp_path: Any) -> None:
     """The memory-mapped record another process reads: the newest ``capacity`` entries oldest
     first, each update visible, a reset empty, and an entry too big for its slot shortened
     rather than lost."""
+    import torch
+
     from fsdp_testing._report.collective_log import FlightRecorder, read_record_file
 
     path = str(tmp_path / "rank0.flight")
     rec = FlightRecorder(capacity=4, path=path)
-    assert read_record_file(path) == []
+    assert read_record_file(path) == ([], {})
     for _ in range(6):
-        entry = rec.enter("all_reduce", "default", [[4]], "float32")
-        rec.finish(entry, "completed")
-    read = read_record_file(path)
+        entry = rec.enter(_call("all_reduce", "all_reduce", [torch.ones(4)]))
+        rec.update(entry, "completed")
+    read, counts = read_record_file(path)
     assert [e["seq"] for e in read] == [3, 4, 5, 6]
+    assert [e["n"] for e in read] == [3, 4, 5, 6]
     assert read == rec.snapshot()
+    assert counts == {}
 
-    big = rec.enter("all_gather", "default", [[8, 8]] * 1000, "float32")
-    assert read_record_file(path)[-1]["state"] == "entered"
-    rec.finish(big, "raised")
-    last = read_record_file(path)[-1]
-    assert (last["op"], last["seq"], last["state"]) == ("all_gather", 7, "raised")
+    big = rec.enter(_call("all_gather", "all_gather", [torch.empty(8, 8)] * 1000))
+    assert read_record_file(path)[0][-1]["state"] == "entered"
+    rec.update(big, "raised")
+    last = read_record_file(path)[0][-1]
+    assert (last["op"], last["seq"], last["n"], last["state"]) == ("all_gather", 7, 1, "raised")
     assert last["shapes"] == [[8, 8]] * 8 + [["..."]]
-    assert [e["seq"] for e in read_record_file(path)] == [4, 5, 6, 7]
+    assert [e["seq"] for e in read_record_file(path)[0]] == [4, 5, 6, 7]
 
     rec.reset()
-    assert read_record_file(path) == []
-    rec.finish(rec.enter("barrier", "default", [], None), "completed")
-    assert [(e["op"], e["seq"]) for e in read_record_file(path)] == [("barrier", 1)]
+    assert read_record_file(path) == ([], {})
+    rec.update(rec.enter(_call("barrier", "barrier", [])), "completed")
+    assert [(e["op"], e["seq"]) for e in read_record_file(path)[0]] == [("barrier", 1)]
+
+
+def test_flight_record_numbers_messages_apart_and_counts_their_channels(tmp_path: Any) -> None:
+    """Point-to-point ops are numbered apart from collectives (``send #k``: the rank's k-th
+    send), each knows its place on its channel, and the file keeps every channel's count (the
+    ring may lose the entries)."""
+    import torch
+
+    from fsdp_testing._report.collective_log import FlightRecorder, read_record_file
+
+    path = str(tmp_path / "rank0.flight")
+    rec = FlightRecorder(capacity=2, path=path)
+    t = [torch.ones(2)]
+    rec.enter(_call("all_reduce", "all_reduce", t))
+    first = rec.enter(_call("isend", "send", t, peer=1, tag=3, blocking=False))
+    rec.enter(_call("isend", "send", t, peer=1, tag=3, blocking=False))
+    rec.enter(_call("send", "send", t, peer=1))
+    rec.enter(_call("recv", "recv", t, peer=1))
+    entries, counts = read_record_file(path)
+    assert [(e["op"], e["n"], e["seq"]) for e in entries] == [("send", 3, 1), ("recv", 1, 1)]
+    assert counts == {
+        "default|0>1|3": 2,
+        "default|0>1|0": 1,
+        "default|1>0|0": 1,
+    }
+    assert len(rec.open) == 4  # none completed
+    rec.update(first, "completed")
+    assert len(rec.open) == 3

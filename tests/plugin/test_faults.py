@@ -20,7 +20,7 @@ def test_kill_names_rank_signal_and_collective(run: Run) -> None:
     case = run.cases["test_kill"]
     assert case.outcome == "failed"
     assert case.message.startswith(
-        "rank 1 killed by SIGKILL at all_gather #3 (injected by faults.kill) (rank 0 aborted)"
+        "rank 1 killed by SIGKILL at all_gather_into_tensor #3 (injected by faults.kill) (rank 0 aborted)"
     ), case.message
 
 
@@ -39,7 +39,7 @@ def test_delay_changes_timing_only(run: Run) -> None:
 def test_hang_is_reported_at_the_timeout(run: Run) -> None:
     case = run.cases["test_hang"]
     assert case.message.startswith("timed out after 3 s"), case.message
-    assert "rank 1 hangs at all_gather #2 (injected by faults.hang)" in case.text
+    assert "rank 1 hangs at all_gather_into_tensor #2 (injected by faults.hang)" in case.text
     assert "rank 0 waits in all_gather_into_tensor #2 but rank 1 never entered it" in case.text
     assert case.seconds < 3 + 5
 
@@ -62,11 +62,11 @@ def test_inject_counts_from_the_start_of_the_block(run: Run) -> None:
 def test_thread_mode_fail_and_hang(run: Run) -> None:
     fail = run.cases["test_thread_fail"]
     assert fail.message.startswith(
-        "rank 1 failed: InjectedFault: rank 1: injected failure at all_gather #2"
+        "rank 1 failed: InjectedFault: rank 1: injected failure at all_gather_into_tensor #2"
     ), fail.message
     hang = run.cases["test_thread_hang"]
     assert hang.message.startswith("timed out after 2 s"), hang.message
-    assert "rank 0 hangs at all_gather #1 (injected by faults.hang)" in hang.text
+    assert "rank 0 hangs at all_gather_into_tensor #1 (injected by faults.hang)" in hang.text
     assert "could not be stopped" not in hang.text
 
 
