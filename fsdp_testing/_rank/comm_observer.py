@@ -42,6 +42,7 @@ __all__ = [
     "current_recorder",
     "end",
     "install",
+    "installed",
     "remove_listener",
     "self_peer_error",
     "uninstall",
@@ -201,22 +202,28 @@ _wrapped: dict[tuple[type, str], Any] = {}
 """(class, method) -> the attribute as the class held it before."""
 
 
-def install(lookup: Callable[[], Any]) -> None:
+def install(lookup: Callable[[], Any] | None) -> None:
     """Observe every process group call of this process from now on; ``lookup()`` gives the
-    calling rank's collective log (None: the call is not logged). See [Note: observing without
-    replacing]. Calling it again refreshes the classes observed (a process group class defined
-    since)."""
+    calling rank's collective log (None: the call is not logged; ``lookup=None`` keeps the
+    current one). See [Note: observing without replacing]. Calling it again refreshes the
+    classes observed (a process group class defined since)."""
     global _lookup
     import torch.distributed as dist
 
     with _lock:
-        _lookup = lookup
+        if lookup is not None:
+            _lookup = lookup
         for cls in _group_classes(dist.ProcessGroup):
             for name in _METHODS:
                 if name in cls.__dict__ and (cls, name) not in _wrapped:
                     original = cls.__dict__[name]
                     _wrapped[(cls, name)] = original
                     setattr(cls, name, _observed_method(name, original))
+
+
+def installed() -> bool:
+    """Whether calls are observed in this process (the harness's ranks, or a recorder)."""
+    return bool(_wrapped)
 
 
 def uninstall() -> None:
@@ -363,6 +370,8 @@ def _describe(
     )
     if outer is not None and outer.f_code.co_name in _BATCHES:
         call.batch = outer.f_code.co_name
+    elif outer is not None and not p2p:
+        call.blocking = not outer.f_locals.get("async_op", False)
     opts = args[-1] if args else kwargs.get("opts")
     if p2p:
         if method == "recv_anysource":

@@ -75,7 +75,6 @@ def never_entered(records: dict[int, list[dict[str, Any]]]) -> dict[int, tuple[s
 _PLURAL = {"shapes": "shapes", "dtype": "dtypes"}
 
 
-
 def _wait(ranks: set[int] | list[int]) -> str:
     return "waits" if len(set(ranks)) == 1 else "wait"
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import resource
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from fsdp_testing.collectives import Form, spellings
 from fsdp_testing.engines._volume import CommVolume, UnitVolume
 
 if TYPE_CHECKING:
@@ -31,14 +29,6 @@ __all__ = [
 ]
 
 _WATCHED_FAMILIES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
-# Name -> (family, index of the argument whose size is the volume, whether it is a list): every
-# spelling of the families above that moves tensors (the table in fsdp_testing.collectives).
-_WATCHED: dict[str, tuple[str, int, bool]] = {
-    s.name: (s.family, s.sized, s.form is Form.LIST)
-    for family in _WATCHED_FAMILIES
-    for s in spellings(family, [Form.TENSOR, Form.LIST, Form.INPLACE])
-    if s.sized is not None
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,65 +50,61 @@ class CollectiveCall:
     """The global ranks of its process group."""
 
 
-def _nbytes(value: Any, is_list: bool) -> int:
-    if is_list:
-        return sum(t.numel() * t.element_size() for t in value)
-    return int(value.numel() * value.element_size())
+class _Watcher:
+    """The listener of a :class:`CollectiveLog` (see ``comm_observer.Listener``)."""
+
+    def __init__(self, calls: list[CollectiveCall]) -> None:
+        self._calls = calls
+
+    def started(self, call: Any) -> None:
+        pass
+
+    def ended(self, call: Any, state: str) -> None:
+        if call.family not in _WATCHED_FAMILIES or call.p2p or state == "raised":
+            return
+        if state == "issued" and call.blocking:
+            return  # the rank waits on it next: counted once it completed
+        if state == "completed" and not call.blocking:
+            return  # counted when issued
+        end = time.perf_counter_ns()
+        self._calls.append(
+            CollectiveCall(
+                call.op,
+                call.family,
+                call.nbytes,
+                len(call.group_ranks),
+                call.start_ns,
+                end,
+                call.group_ranks,
+            )
+        )
 
 
 class CollectiveLog:
-    """Records every outermost collective called through the ``torch.distributed`` module.
-
-    Engines look collectives up on the module at call time (fsdp_core, torch's FSDP1 and FSDP2
-    all do), so wrapping the module attributes sees every call, including ones an engine does not
-    report through its own events. Nested calls (a deprecated name forwarding to the new one)
-    count once.
+    """Records every collective of the watched families that reaches a process group, as the
+    harness observes calls (``fsdp_testing/_rank/comm_observer.py``: no ``torch.distributed``
+    function is replaced, and a deprecated name forwarding to the new one is one call), including
+    calls an engine does not report through its own events.
     """
 
     def __init__(self) -> None:
         self.calls: list[CollectiveCall] = []
-        self._depth = 0
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[CollectiveLog]:
-        """Wrap the collectives for the duration of the ``with`` block."""
-        import torch.distributed as dist
+        """Record the calls of the ``with`` block."""
+        from fsdp_testing._rank import comm_observer
 
-        originals = {name: getattr(dist, name) for name in _WATCHED if hasattr(dist, name)}
-        for name, original in originals.items():
-            setattr(dist, name, self._wrap(name, original))
+        watcher = _Watcher(self.calls)
+        ours = not comm_observer.installed()
+        comm_observer.install(None)
+        comm_observer.add_listener(watcher)
         try:
             yield self
         finally:
-            for name, original in originals.items():
-                setattr(dist, name, original)
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        import torch.distributed as dist
-
-        kind, index, is_list = _WATCHED[name]
-        signature = inspect.signature(original)
-        sized = list(signature.parameters)[index]
-
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return original(*args, **kwargs)
-            self._depth += 1
-            start = time.perf_counter_ns()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                end = time.perf_counter_ns()
-                bound = signature.bind(*args, **kwargs).arguments
-                group = bound.get("group")
-                group = group if group is not None else dist.group.WORLD
-                ranks = tuple(dist.get_process_group_ranks(group))
-                size = _nbytes(bound[sized], is_list)
-                self.calls.append(CollectiveCall(name, kind, size, len(ranks), start, end, ranks))
-
-        watched.__wrapped__ = original  # type: ignore[attr-defined]
-        return watched
+            comm_observer.remove_listener(watcher)
+            if ours:
+                comm_observer.uninstall()
 
     def clear(self) -> None:
         self.calls.clear()

@@ -25,11 +25,12 @@ subscribing to the engine's events),
 ``_recorder`` (:class:`FSDPRecorder` itself).
 """
 
-from ._recorder import FSDPRecorder, record_fsdp
+from ._recorder import FSDPRecorder, record_comms, record_fsdp
 from ._records import (
     CollectiveRecord,
     ForwardRecord,
     OffloadRecord,
+    P2PRecord,
     PostBackwardRecord,
     Record,
     ReshardRecord,
@@ -43,11 +44,13 @@ __all__ = [
     "FSDPRecorder",
     "ForwardRecord",
     "OffloadRecord",
+    "P2PRecord",
     "PostBackwardRecord",
     "Record",
     "ReshardRecord",
     "UnshardRecord",
     "chrome_trace",
     "now_us",
+    "record_comms",
     "record_fsdp",
 ]

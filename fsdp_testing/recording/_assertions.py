@@ -43,6 +43,42 @@ class RecordAssertions(RecordLog):
                 f"collectives{where}: {dict(seen) or 'none'}"
             )
 
+    def assert_p2p_order(
+        self, expected: Sequence[tuple[str, int | None]], *, step: int | None = None
+    ) -> None:
+        """Asserts this rank's point-to-point ops, in the order issued, as ``(kind, peer)``
+        pairs: ``[("recv", 0), ("send", 2)]`` (see :meth:`p2p_order`)."""
+        actual = self.p2p_order(step=step)
+        want = [(kind, peer) for kind, peer in expected]
+        if actual != want:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(actual, want, strict=False)) if a != b),
+                min(len(actual), len(want)),
+            )
+            raise self._fail(
+                f"expected point-to-point ops{_where(step, None)} {want}, recorded {actual}; "
+                f"they differ from op {first + 1} on"
+            )
+
+    def assert_p2p_bytes(
+        self, expected: dict[tuple[str, int | None], int], *, step: int | None = None
+    ) -> None:
+        """Asserts the bytes this rank sent to and received from each peer:
+        ``{("send", 1): 4096, ("recv", 1): 4096}`` (see :meth:`p2p_bytes`)."""
+        actual = self.p2p_bytes(step=step)
+        if actual != dict(expected):
+            wrong = {
+                key: (expected.get(key, 0), actual.get(key, 0))
+                for key in sorted({*actual, *expected}, key=str)
+                if expected.get(key, 0) != actual.get(key, 0)
+            }
+            detail = "; ".join(
+                f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}: expected {want}, "
+                f"recorded {have}"
+                for (kind, peer), (want, have) in wrong.items()
+            )
+            raise self._fail(f"point-to-point bytes{_where(step, None)} differ: {detail}")
+
     def assert_unshard_order(
         self,
         expected: Sequence[str | nn.Module],

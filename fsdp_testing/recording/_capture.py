@@ -1,7 +1,8 @@
-"""How records are captured: wrappers around the ``torch.distributed`` collectives and the
-engine's unit transitions (through :func:`fsdp_testing.patching.patched`), forward hooks on the
-sharded modules, and the events of an engine that publishes them (``fsdp_core``), through the
-engine's probe.
+"""How records are captured: every call that reaches a process group, collective or point to
+point, as the harness observes it (``fsdp_testing/_rank/comm_observer.py``: no
+``torch.distributed`` function is replaced), wrappers around the engine's unit transitions
+(through :func:`fsdp_testing.patching.patched`), forward hooks on the sharded modules, and the
+events of an engine that publishes them (``fsdp_core``), through the engine's probe.
 
 See [Note: what is exact and what is inferred] in :mod:`._probes`.
 """
@@ -13,17 +14,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from .._rank import comm_observer
 from ..engines import FSDPEngine, clean_param_name
-from ..patching import called_name, collective_targets, normalized_collective, patched
+from ..patching import patched
 from ._probes import UnitNames
 from ._records import (
     CollectiveRecord,
     ForwardRecord,
     OffloadRecord,
+    P2PRecord,
     PostBackwardRecord,
     ReshardRecord,
     UnshardRecord,
@@ -31,10 +32,6 @@ from ._records import (
 )
 
 __all__ = ["Capture"]
-
-#: Collective families recorded with their (output, input) calls normalized; ``all_reduce`` is
-#: recorded as called.
-_NORMALIZED_FAMILIES = ("all_gather", "reduce_scatter")
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,12 +46,13 @@ class _Span:
     event: Any = None  # fsdp_core: the Unshard/Reshard event published inside the call
 
 
-class Capture:
+class Capture(comm_observer.Listener):
     """Turns, while installed, the calling rank's collectives, unit transitions, sharded
     forwards and (``fsdp_core``) events into records.
 
     Args:
-        add: appends a record (``add(cls, **fields)``).
+        add: appends a record (``add(cls, **fields)``), returns its index.
+        amend: fills in fields of the record at an index (``amend(index, **fields)``).
         rank: the recording rank; events of other (thread) ranks are ignored.
         engine: the engine whose transitions are wrapped.
         names: the FQNs of the recorded model's modules.
@@ -62,19 +60,25 @@ class Capture:
 
     def __init__(
         self,
-        add: Callable[..., None],
+        add: Callable[..., int],
+        amend: Callable[..., None],
         *,
         rank: int,
         engine: FSDPEngine,
         names: UnitNames,
     ) -> None:
         self._add = add
+        self._amend = amend
         self._rank = rank
         self._engine = engine
         self._names = names
         self._probe = engine.probe()
         self._spans: list[_Span] = []
         self._pending: Any = None  # the last fsdp_core Collective event, until its call runs
+        self._starts: dict[int, float] = {}  # id(call) -> when it started
+        self.muted = False
+        """While True, calls are not recorded (the recorder's own barriers)."""
+        self._issued: dict[int, int] = {}  # id(call) -> index of its record, until it completes
 
     def install(self, stack: contextlib.ExitStack, model: nn.Module | None) -> None:
         """Installs every wrapper, hook and subscription on ``stack`` (closing it removes them).
@@ -87,18 +91,13 @@ class Capture:
             self._names.add_model(model)
             self._init_forward_hooks(model, stack)
         nexts: dict[str, Callable[..., Any]] = {}
-        for family in _NORMALIZED_FAMILIES:
-            present = collective_targets(family)
-            if present:
-                wrapper = normalized_collective(self._collective(family, nexts), family)
-                nexts[family] = stack.enter_context(patched(present, wrapper, barrier=False))
-        nexts["all_reduce"] = stack.enter_context(
-            patched(
-                collective_targets("all_reduce"),
-                self._collective("all_reduce", nexts),
-                barrier=False,
-            )
-        )
+        if not comm_observer.installed():  # outside the harness's ranks (torch's own harness)
+            comm_observer.install(None)
+            stack.callback(comm_observer.uninstall)
+        else:
+            comm_observer.install(None)  # a process group class the test defined since
+        comm_observer.add_listener(self)
+        stack.callback(comm_observer.remove_listener, self)
         for kind in ("unshard", "reshard", "post_backward"):
             target = self._engine.patch_target(kind)
             nexts[kind] = stack.enter_context(
@@ -148,58 +147,79 @@ class Capture:
             dur_us=None if end is None else end - start,
         )
 
-    def _collective(self, op: str, nexts: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
-        def record(*args: Any, **kwargs: Any) -> Any:
-            name = called_name(op) if op != "all_reduce" else op
-            tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-            if op == "all_reduce":
-                main = args[0] if args else kwargs.get("tensor")
-                tensors = [main] if isinstance(main, torch.Tensor) else []
-            start = now_us()
-            try:
-                return nexts[op](*args, **kwargs)
-            finally:
-                self._add_collective(name, op, tensors, kwargs, start, now_us())
+    # --- calls that reach a process group (comm_observer.Listener) ----------------------------
 
-        return record
+    def started(self, call: comm_observer.CommCall) -> None:
+        if call.rank == self._rank and not self.muted:
+            self._starts[id(call)] = now_us()
 
-    def _add_collective(
-        self,
-        name: str,
-        family: str,
-        tensors: list[torch.Tensor],
-        kwargs: dict[str, Any],
-        start: float,
-        end: float,
-    ) -> None:
-        if not tensors:
+    def ended(self, call: comm_observer.CommCall, state: str) -> None:
+        start = self._starts.get(id(call))
+        if start is None:
+            return  # another rank's call, or one started before the block
+        end = now_us()
+        index = self._issued.pop(id(call), None)
+        if index is not None:  # an async call issued earlier completed now
+            if call.p2p and state == "completed":
+                self._amend(index, completed_us=end)
+            del self._starts[id(call)]
             return
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.op == name:
-            unit = pending.unit
+        if state == "issued" and call.blocking:
+            return  # the rank waits on it next: recorded once it completed
+        if state == "issued":
+            self._issued[id(call)] = self._record(call, start, end, completed=False)
         else:
-            span = self._spans[-1] if self._spans else None
-            unit = (
-                self._names.unit(span.unit, self._probe)
-                if span is not None and not self._probe.exact
-                else ""
+            del self._starts[id(call)]
+            self._record(call, start, end, completed=state == "completed")
+
+    def _record(
+        self, call: comm_observer.CommCall, start: float, end: float, completed: bool
+    ) -> int:
+        if call.p2p:
+            tensor = call.outputs[0] if call.outputs else None
+            return self._add(
+                P2PRecord,
+                unit="",
+                op=call.op,
+                kind=call.family,
+                peer=call.peer,
+                tag=call.tag,
+                shape=tuple(tensor.shape) if tensor is not None else (),
+                dtype=call.dtype or "",
+                bytes=call.nbytes,
+                blocking=call.blocking,
+                group_ranks=call.group_ranks,
+                batch=call.batch,
+                completed_us=end if completed else None,
+                ts_us=start,
+                dur_us=end - start,
             )
-        sized = tensors[1] if family == "reduce_scatter" else tensors[0]
-        group = kwargs.get("group")
-        initialized = dist.is_initialized()
-        self._add(
+        return self._add(
             CollectiveRecord,
-            unit=unit,
-            op=name,
-            shapes=tuple(tuple(t.shape) for t in tensors),
-            dtype=str(tensors[-1].dtype).removeprefix("torch."),
-            group_size=dist.get_world_size(group) if initialized else 1,
-            group_ranks=_group_ranks(group) if initialized else (),
-            bytes=sized.numel() * sized.element_size(),
-            async_op=bool(kwargs.get("async_op", False)),
+            unit=self._unit_of(call.op),
+            op=call.op,
+            shapes=tuple(tuple(s) for s in call.shapes),
+            dtype=call.dtype or "",
+            group_size=len(call.group_ranks),
+            group_ranks=call.group_ranks,
+            bytes=call.nbytes,
+            async_op=not call.blocking,
+            reduce_op=call.reduce_op,
+            root=call.root,
             ts_us=start,
             dur_us=end - start,
         )
+
+    def _unit_of(self, name: str) -> str:
+        """The unit a collective is for: from the engine's event just before it (fsdp_core),
+        else the transition running around it."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.op == name:
+            return str(pending.unit)
+        span = self._spans[-1] if self._spans else None
+        if span is not None and not self._probe.exact:
+            return str(self._names.unit(span.unit, self._probe))
+        return ""
 
     def _transition(self, kind: str, nexts: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
         probe = self._probe
@@ -247,11 +267,3 @@ class Capture:
             ts_us=span.start,
             dur_us=end - span.start,
         )
-
-
-def _group_ranks(group: Any) -> tuple[int, ...]:
-    """Global ranks of ``group`` (``None``: the default group), or ``()`` if unknown."""
-    try:
-        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    except (KeyError, ValueError, RuntimeError, TypeError):  # e.g. a group of another world
-        return ()

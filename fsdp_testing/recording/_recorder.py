@@ -18,7 +18,7 @@ from ._capture import Capture
 from ._probes import UnitNames
 from ._trace import write_chrome_trace
 
-__all__ = ["FSDPRecorder", "record_fsdp"]
+__all__ = ["FSDPRecorder", "record_comms", "record_fsdp"]
 
 
 class FSDPRecorder(RecordAssertions):
@@ -50,19 +50,25 @@ class FSDPRecorder(RecordAssertions):
         self._barrier = barrier
         self._names = UnitNames()
         self._stack: contextlib.ExitStack | None = None
+        self._capture: Capture | None = None
 
     def __enter__(self) -> FSDPRecorder:
         self.rank = current_rank()
-        capture = Capture(self._add, rank=self.rank, engine=self.engine, names=self._names)
+        capture = Capture(
+            self._add, self._amend, rank=self.rank, engine=self.engine, names=self._names
+        )
         stack = contextlib.ExitStack()
         try:
             capture.install(stack, self.model)
             if self._barrier and dist.is_available() and dist.is_initialized():
+                capture.muted = True  # the recorder's own barrier is not the code's
                 dist.barrier()
+                capture.muted = False
         except BaseException:
             stack.close()
             raise
         self._stack = stack
+        self._capture = capture
         return self
 
     def __exit__(
@@ -74,6 +80,8 @@ class FSDPRecorder(RecordAssertions):
         stack, self._stack = self._stack, None
         try:
             if self._barrier and exc is None and dist.is_available() and dist.is_initialized():
+                if self._capture is not None:
+                    self._capture.muted = True
                 dist.barrier()
         finally:
             if stack is not None:
@@ -92,6 +100,18 @@ class FSDPRecorder(RecordAssertions):
             the path.
         """
         return write_chrome_trace(self.records, path, all_ranks=all_ranks)
+
+
+def record_comms(*, barrier: bool = True) -> FSDPRecorder:
+    """Returns a recorder (a context manager) of every collective and point-to-point op the
+    calling rank makes in the block, for code that is not an FSDP engine (a pipeline schedule,
+    a tensor-parallel layer): :func:`record_fsdp` with no model.
+
+    Args:
+        barrier: synchronize the ranks of the default group on entry and exit (default True;
+            pass False where not every rank enters the block).
+    """
+    return FSDPRecorder(barrier=barrier)
 
 
 def record_fsdp(

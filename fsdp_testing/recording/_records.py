@@ -15,6 +15,7 @@ __all__ = [
     "CollectiveRecord",
     "ForwardRecord",
     "OffloadRecord",
+    "P2PRecord",
     "PostBackwardRecord",
     "Record",
     "RecordLog",
@@ -59,6 +60,32 @@ class CollectiveRecord(Record):
     bytes: int
     async_op: bool = False
     group_ranks: tuple[int, ...] = ()
+    reduce_op: str | None = None
+    """Reductions: the reduce op (``"SUM"``, ``"AVG"``, ``"MAX"``, ...); None otherwise."""
+    root: int | None = None
+    """broadcast, reduce, gather, scatter: the root's global rank."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class P2PRecord(Record):
+    """One point-to-point op (a send or a receive, alone or in a ``batch_isend_irecv``).
+    ``op``: the function called (``send``, ``isend``, ``recv``, ``irecv``); ``kind``:
+    ``"send"`` or ``"recv"``; ``peer``: the other rank (global; None: a receive from any rank);
+    ``bytes``: the message; ``blocking``: the call waited for it (``send``/``recv``);
+    ``batch``: the batching call (``"batch_isend_irecv"``) or None; ``completed_us``: when it
+    completed (``ts_us``'s clock; None: not waited on in the block)."""
+
+    op: str
+    kind: str
+    peer: int | None
+    tag: int
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    blocking: bool
+    group_ranks: tuple[int, ...] = ()
+    batch: str | None = None
+    completed_us: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,10 +146,16 @@ class RecordLog:
         """Starts a new step: later records get ``step`` one higher."""
         self._step += 1
 
-    def _add(self, cls: type[Record], **fields: Any) -> None:
+    def _add(self, cls: type[Record], **fields: Any) -> int:
         with self._lock:
             fields.setdefault("rank", self.rank)
             self.records.append(cls(seq=len(self.records), step=self._step, **fields))
+            return len(self.records) - 1
+
+    def _amend(self, index: int, **fields: Any) -> None:
+        """Fill in fields of the record at ``index`` known only later (a completion time)."""
+        with self._lock:
+            self.records[index] = dataclasses.replace(self.records[index], **fields)
 
     def select(
         self,
@@ -163,8 +196,36 @@ class RecordLog:
         return out
 
     def count(self, op: str, *, step: int | None = None, unit: str | None = None) -> int:
-        """Number of calls of collective ``op`` (a name or a family, see :meth:`collectives`)."""
+        """Number of calls of ``op``: a collective (a name or a family, see
+        :meth:`collectives`), or a point-to-point op (``"send"``, ``"recv"`` count every
+        spelling; ``"isend"``, ``"irecv"`` only their own)."""
+        if op in ("send", "recv", "isend", "irecv"):
+            return len(self.p2p(op, step=step))
         return len(self.collectives(op, step=step, unit=unit))
+
+    def p2p(
+        self, op: str | None = None, *, peer: int | None = None, step: int | None = None
+    ) -> list[P2PRecord]:
+        """Point-to-point records, in the order issued; ``op``: ``"send"`` or ``"recv"`` (every
+        spelling of the kind) or a function's name (``"isend"``); ``peer``: only those with that
+        rank."""
+        return [
+            r
+            for r in self.select(P2PRecord, step=step)
+            if (op is None or op in (r.kind, r.op)) and (peer is None or r.peer == peer)
+        ]
+
+    def p2p_order(self, *, step: int | None = None) -> list[tuple[str, int | None]]:
+        """``[("send", 1), ("recv", 1), ...]``: this rank's messages in the order issued, each
+        as its kind and peer."""
+        return [(r.kind, r.peer) for r in self.p2p(step=step)]
+
+    def p2p_bytes(self, *, step: int | None = None) -> dict[tuple[str, int | None], int]:
+        """Bytes this rank sent to and received from each peer: ``{("send", 1): 4096, ...}``."""
+        out: dict[tuple[str, int | None], int] = {}
+        for r in self.p2p(step=step):
+            out[(r.kind, r.peer)] = out.get((r.kind, r.peer), 0) + r.bytes
+        return out
 
     def unshards(
         self, reason: str | Iterable[str] | None = None, *, step: int | None = None
