@@ -18,10 +18,10 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pipeline import Stage, full_parameters, gpipe_step, one_f_one_b_step, split  # noqa: E402
+from pipeline import Stage, full_parameters, gpipe_step, one_f_one_b_step, split
 
-from fsdp_testing.parity import check_parity  # noqa: E402
-from fsdp_testing.recording import record_comms  # noqa: E402
+from fsdp_testing.parity import check_parity
+from fsdp_testing.recording import record_comms
 
 WIDTH, BATCH, MICROBATCHES = 8, 16, 4
 SCHEDULES = {"gpipe": gpipe_step, "1f1b": one_f_one_b_step}
@@ -127,7 +127,8 @@ def test_torch_pipelining_runs_unchanged(rank, world_size, schedule):
     # Reference: the whole model on one process, the loss summed over microbatches.
     loss = sum(loss_fn(model(a), b) for a, b in zip(x.chunk(4), y.chunk(4), strict=True))
     loss.backward()
-    for got, want in zip(part.parameters(), split(model, world_size)[rank].parameters()):
+    reference = split(model, world_size)[rank].parameters()
+    for got, want in zip(part.parameters(), reference, strict=True):
         torch.testing.assert_close(got.grad, want.grad)
 
 
