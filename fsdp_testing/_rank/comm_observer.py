@@ -383,7 +383,7 @@ def _describe(
     else:
         op_obj = getattr(opts, "reduceOp", None)
         if op_obj is not None:
-            call.reduce_op = str(getattr(op_obj, "op", op_obj)).rsplit(".", 1)[-1].lower()
+            call.reduce_op = str(getattr(op_obj, "op", op_obj)).rsplit(".", 1)[-1]
         root = getattr(opts, "rootRank", None)
         if isinstance(root, int) and 0 <= root < len(ranks):
             call.root = ranks[root]
@@ -478,8 +478,11 @@ def _called_as(frame: FrameType | None) -> tuple[str | None, FrameType | None, s
     while frame is not None:
         scope = id(frame.f_globals)
         if scope == c10d:
-            if frame.f_code.co_name in names:
-                op, outer = frame.f_code.co_name, frame
+            name = frame.f_code.co_name
+            if name in _BATCHES and op is not None:
+                outer = frame  # each op of a batch keeps its own name (isend, irecv)
+            elif name in names:
+                op, outer = name, frame
         elif scope != logger:
             break
         frame = frame.f_back

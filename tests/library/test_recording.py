@@ -18,6 +18,7 @@ from fsdp_testing.recording import (
     OffloadRecord,
     ReshardRecord,
     UnshardRecord,
+    record_comms,
     record_fsdp,
 )
 
@@ -252,3 +253,74 @@ def test_chrome_trace_has_a_track_per_rank(rank, process_group, tmp_path):
     assert any(e["name"] == "unshard 0 (forward)" for e in spans)
     assert all(isinstance(e["args"].get("seq"), int) for e in spans)
     assert len([r for r in rec.records if isinstance(r, CollectiveRecord)]) == 9
+
+
+def _exchange(rank: int) -> None:
+    t = torch.ones(3)
+    if rank == 0:
+        dist.send(t, 1, tag=7)
+        dist.irecv(t, 1).wait()
+    else:
+        dist.recv(t, 0, tag=7)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t * 2, 0)]):
+            work.wait()
+    dist.broadcast(t, 0)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+
+def _check_p2p_records(rank: int) -> None:
+    with record_comms() as rec:
+        _exchange(rank)
+    if rank == 0:
+        assert rec.p2p_order() == [("send", 1), ("recv", 1)]
+        send, recv = rec.p2p()
+        assert (send.op, send.tag, send.blocking, send.bytes, send.shape) == (
+            "send",
+            7,
+            True,
+            12,
+            (3,),
+        )
+        assert (recv.op, recv.blocking, recv.batch) == ("irecv", False, None)
+        assert recv.completed_us is not None and recv.completed_us >= recv.ts_us
+        rec.assert_p2p_bytes({("send", 1): 12, ("recv", 1): 12})
+    else:
+        rec.assert_p2p_order([("recv", 0), ("send", 0)])
+        assert rec.p2p("send")[0].batch == "batch_isend_irecv"
+        assert rec.count("send") == 1 and rec.count("isend") == 1 and rec.count("recv") == 1
+    (bcast,) = rec.collectives("broadcast")
+    (reduced,) = rec.collectives("all_reduce")
+    assert (bcast.root, reduced.reduce_op, reduced.root) == (0, "MAX", None)
+    with pytest.raises(AssertionError, match=r"expected point-to-point ops \[\('send', 5\)\]"):
+        rec.assert_p2p_order([("send", 5)])
+    with pytest.raises(
+        AssertionError, match=r"bytes differ: .*send to rank 9: expected 1, recorded 0"
+    ):
+        rec.assert_p2p_bytes({("send", 9): 1})
+
+
+@pytest.mark.distributed(world_size=2)
+def test_point_to_point_ops_are_recorded_process_ranks(rank):
+    _check_p2p_records(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_point_to_point_ops_are_recorded_thread_ranks(rank):
+    _check_p2p_records(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="local")
+def test_point_to_point_ops_are_recorded_local_ranks(rank):
+    _check_p2p_records(rank)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_recording_keeps_torch_distributed_functions_as_they_are(rank):
+    import torch.distributed.distributed_c10d as c10d
+
+    functions = {name: getattr(dist, name) for name in ("isend", "irecv", "all_reduce", "send")}
+    with record_comms():
+        # torch checks P2POp's op by identity: a recorder that wrapped dist.isend broke it.
+        assert all(getattr(dist, n) is f for n, f in functions.items())
+        assert dist.isend is c10d.isend
+        _exchange(rank)

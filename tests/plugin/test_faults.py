@@ -31,6 +31,18 @@ def test_fail_raises_on_the_rank_at_the_counted_op(run: Run) -> None:
     ), case.message
 
 
+def test_point_to_point_faults_count_sends_and_receives_apart(run: Run) -> None:
+    kill = run.cases["test_kill_at_a_receive"]
+    assert kill.message.startswith(
+        "rank 1 killed by SIGKILL at recv #2 from rank 0 (injected by faults.kill)"
+    ), kill.message
+    fail = run.cases["test_fail_at_a_send_in_local_mode"]
+    assert fail.message.startswith(
+        "rank 0 failed: InjectedFault: rank 0: injected failure at send #1 to rank 1"
+    ), fail.message
+    assert run.cases["test_after_point_to_point_faults"].outcome == "passed"
+
+
 def test_delay_changes_timing_only(run: Run) -> None:
     assert run.cases["test_delay"].outcome == "passed", run.cases["test_delay"].text
     assert run.cases["test_thread_delay"].outcome == "passed"

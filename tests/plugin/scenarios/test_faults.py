@@ -73,6 +73,30 @@ def test_inject_in_the_body(rank):
         dist.broadcast(torch.ones(1), src=0)
 
 
+@pytest.mark.distributed(world_size=2, faults=[faults.kill(rank=1, at=2, op="recv")])
+def test_kill_at_a_receive(rank):
+    # Point-to-point ops are numbered apart: the all-reduce does not count, the 2nd recv does.
+    dist.all_reduce(torch.ones(1))
+    for _ in range(3):
+        if rank == 0:
+            dist.send(torch.ones(2), 1)
+        else:
+            dist.recv(torch.empty(2), 0)
+
+
+@pytest.mark.distributed(world_size=2, mode="local", faults=[faults.fail(rank=0, at=1, op="send")])
+def test_fail_at_a_send_in_local_mode(rank):
+    if rank == 0:
+        dist.send(torch.ones(2), 1)
+    else:
+        dist.recv(torch.empty(2), 0)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_after_point_to_point_faults(rank):
+    assert _collectives(1).sum().item() == 8
+
+
 @pytest.mark.distributed(world_size=2, mode="thread", faults=[faults.fail(rank=1, at=2)])
 def test_thread_fail(rank):
     _collectives(3)

@@ -1,0 +1,160 @@
+"""The point-to-point analysis and the certain-deadlock rule, in-process on hand-written logs
+(``_report/p2p.py``, ``_report/deadlock.py``; see [Note: a certain deadlock])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fsdp_testing._report.deadlock import find_deadlock
+from fsdp_testing._report.p2p import describe_p2p, unmatched
+
+
+def _p2p(
+    family: str, n: int, peer: int | None, state: str, *, seq: int | None = None, tag: int = 0
+) -> dict[str, Any]:
+    op = "send" if family == "send" else "recv"
+    entry: dict[str, Any] = {
+        "op": op,
+        "family": family,
+        "n": n,
+        "group": "default",
+        "shapes": [[4]],
+        "dtype": "float32",
+        "bytes": 16,
+        "state": state,
+        "p2p": True,
+        "tag": tag,
+        "blocking": True,
+        "at": f"/x/tests/test_pipe.py:{10 + n}",
+        "t": 0.0,
+    }
+    if peer is not None:
+        entry["peer"] = peer
+        entry["seq"] = seq if seq is not None else n
+    return entry
+
+
+def _coll(op: str, n: int, seq: int, state: str, ranks: str = "0-1") -> dict[str, Any]:
+    return {
+        "op": op,
+        "family": op,
+        "n": n,
+        "seq": seq,
+        "c": seq,
+        "group": "default",
+        "ranks": ranks,
+        "shapes": [[1]],
+        "dtype": "float32",
+        "bytes": 4,
+        "state": state,
+        "t": 0.0,
+    }
+
+
+def test_two_receives_from_each_other_are_a_certain_deadlock() -> None:
+    records = {0: [_p2p("recv", 1, 1, "waiting")], 1: [_p2p("recv", 1, 0, "waiting")]}
+    found = find_deadlock(records, {0: {}, 1: {}}, frozenset())
+    assert found is not None and found.ranks == (0, 1)
+    assert found.lines() == [
+        "rank 0 waits in recv #1 from rank 1 (at tests/test_pipe.py:11) while rank 1 waits in "
+        "recv #1 from rank 0 (at tests/test_pipe.py:11)"
+    ]
+
+
+def test_a_receive_whose_send_was_issued_is_not_stuck() -> None:
+    # Rank 1 issued its isend to rank 0 before blocking in its own receive: both complete.
+    records = {
+        0: [_p2p("recv", 1, 1, "waiting")],
+        1: [_p2p("send", 1, 0, "issued"), _p2p("recv", 1, 0, "waiting")],
+    }
+    channels = {0: {"default|1>0|0": 0}, 1: {"default|1>0|0": 1, "default|0>1|0": 1}}
+    assert find_deadlock(records, channels, frozenset()) is None
+
+
+def test_a_receive_waiting_on_a_running_rank_is_not_stuck() -> None:
+    records = {0: [_p2p("recv", 1, 1, "waiting")], 1: [_coll("all_reduce", 1, 1, "completed")]}
+    assert find_deadlock(records, {0: {}, 1: {}}, frozenset()) is None
+
+
+def test_a_send_to_a_rank_that_finished_is_stuck() -> None:
+    records = {0: [_p2p("send", 1, 2, "waiting")], 1: [_p2p("recv", 1, 0, "waiting")], 2: []}
+    found = find_deadlock(records, {0: {}, 1: {}, 2: {}}, frozenset({2}))
+    assert found is not None and found.ranks == (0, 1)
+    lines = found.lines({2: "returned"})
+    assert lines == [
+        "rank 0 waits in send #1 to rank 2 (at tests/test_pipe.py:11), and rank 2 finished the "
+        "test (returned)",
+        "rank 1 waits in recv #1 from rank 0 (at tests/test_pipe.py:11), and rank 0 is stuck too",
+    ]
+
+
+def test_a_collective_and_a_receive_can_wait_on_each_other() -> None:
+    # Rank 0 all-reduces while rank 1 waits for a message rank 0 would send after it.
+    records = {
+        0: [_coll("all_reduce", 1, 1, "waiting")],
+        1: [_p2p("recv", 1, 0, "waiting")],
+    }
+    found = find_deadlock(records, {0: {}, 1: {}}, frozenset())
+    assert found is not None
+    assert "rank 0 waits in all_reduce #1 for rank 1 to enter it" in found.lines()[0]
+
+
+@pytest.mark.parametrize(
+    ("records", "channels"),
+    [
+        pytest.param(
+            {0: [_p2p("recv", 1, None, "waiting")], 1: [_p2p("recv", 1, 0, "waiting")]},
+            {0: {}, 1: {}},
+            id="a-receive-from-any-rank",
+        ),
+        pytest.param(
+            {0: [_coll("all_reduce", 1, 1, "waiting")], 1: [_coll("broadcast", 1, 1, "waiting")]},
+            {0: {}, 1: {}},
+            id="mismatched-collectives-are-left-to-the-timeout",
+        ),
+        pytest.param(
+            {0: [_p2p("recv", 1, 1, "waiting")], 1: [_p2p("recv", 40, 0, "waiting", seq=40)] * 32},
+            {0: {}, 1: None},
+            id="a-log-that-cannot-tell",
+        ),
+    ],
+)
+def test_what_the_logs_cannot_prove_is_never_called_a_deadlock(
+    records: dict[int, list[dict[str, Any]]], channels: dict[int, Any]
+) -> None:
+    assert find_deadlock(records, channels, frozenset()) is None
+
+
+def test_sizes_that_differ_name_both_ranks_shapes_and_lines() -> None:
+    send = {**_p2p("send", 1, 1, "completed"), "bytes": 32, "shapes": [[8]]}
+    records = {0: [send], 1: [_p2p("recv", 1, 0, "waiting")]}
+    assert describe_p2p(records, {0: {}, 1: {}})[0] == (
+        "size mismatch: rank 0's send #1 to rank 1 at tests/test_pipe.py:11 sends 32 bytes "
+        "(float32[8]) but rank 1's recv #1 from rank 0 at tests/test_pipe.py:11 receives 16 "
+        "bytes (float32[4])"
+    )
+
+
+def test_a_receive_nobody_sends_names_where_the_peer_sent_instead() -> None:
+    records = {
+        0: [_p2p("send", 1, 2, "waiting")],
+        1: [_p2p("recv", 1, 0, "waiting")],
+        2: [],
+    }
+    channels = {0: {"default|0>2|0": 1}, 1: {"default|0>1|0": 1}, 2: {}}
+    lines = describe_p2p(records, channels, finished={2: "returned"})
+    assert lines == [
+        "rank 0's send #1 to rank 2 at tests/test_pipe.py:11 has no matching recv: rank 2 "
+        "posted none from rank 0, and it returned",
+        "rank 1's recv #1 from rank 0 at tests/test_pipe.py:11 has no matching send: rank 0 "
+        "sent nothing to rank 1; its send #1 went to rank 2 instead (at tests/test_pipe.py:11)",
+    ]
+
+
+def test_message_counts_outlive_the_ring() -> None:
+    # Rank 1's log lost its sends to rank 0, but its counts keep them: the receive is matched.
+    records = {0: [_p2p("recv", 7, 1, "waiting", seq=7)], 1: []}
+    assert not unmatched(records, {1: {"default|1>0|0": 7}}, 0, records[0][0])
+    assert unmatched(records, {1: {"default|1>0|0": 6}}, 0, records[0][0])
