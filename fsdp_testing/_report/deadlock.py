@@ -69,18 +69,25 @@ class Deadlock:
                         f"back to {rank_label(cycle[0], where)} (a cycle of {len(cycle)} ranks)"
                     )
                 out.append(" while ".join(shown))
+        # The rest, ranks that wait alike as one line: ``ranks 0-62 wait in all_reduce #1 (at
+        # ...) for rank 63 to enter it, and rank 63 finished the test (returned)``.
+        alike: dict[tuple[str, ...], list[int]] = {}
         for rank in self.ranks:
             if rank in done:
                 continue
-            on = self.waits[rank][1]
+            entry, on = self.waits[rank]
             gone = [p for p in on if p in finished]
-            text = self._waiting(rank, where)
             if gone:
-                text += f", and {ranks_phrase(gone, where)} finished the test ({finished[gone[0]]})"
+                tail = f", and {ranks_phrase(gone, where)} finished the test ({finished[gone[0]]})"
             else:
                 verb = "is" if len(on) == 1 else "are"
-                text += f", and {ranks_phrase(on, where)} {verb} stuck too"
-            out.append(text)
+                tail = f", and {ranks_phrase(on, where)} {verb} stuck too"
+            key = (call_name(entry), entry.get("at", ""), self._for(entry, on, where), tail)
+            alike.setdefault(key, []).append(rank)
+        for (name, at, waits_for, tail), ranks in alike.items():
+            verb = "waits" if len(ranks) == 1 else "wait"
+            place = f" (at {short_place(at)})" if at else ""
+            out.append(f"{ranks_phrase(ranks, where)} {verb} in {name}{place}{waits_for}{tail}")
         if len(out) > LINES_SHOWN:
             out[LINES_SHOWN - 1 :] = [f"... and {len(out) - LINES_SHOWN + 1} more like these"]
         return out
@@ -88,12 +95,15 @@ class Deadlock:
     def _waiting(self, rank: int, where: Mapping[int, str] | None) -> str:
         entry, on = self.waits[rank]
         at = f" (at {short_place(entry['at'])})" if entry.get("at") else ""
-        if is_p2p(entry):
-            return f"{rank_label(rank, where)} waits in {call_name(entry)}{at}"
-        return (
-            f"{rank_label(rank, where)} waits in {call_name(entry)}{at} for "
-            f"{ranks_phrase(on, where)} to enter it"
+        return f"{rank_label(rank, where)} waits in {call_name(entry)}{at}" + self._for(
+            entry, on, where
         )
+
+    @staticmethod
+    def _for(entry: dict[str, Any], on: tuple[int, ...], where: Mapping[int, str] | None) -> str:
+        """`` for rank 3 to enter it``: whom a collective waits for (a message's peer is in its
+        name already)."""
+        return "" if is_p2p(entry) else f" for {ranks_phrase(on, where)} to enter it"
 
 
 def _cycle_from(
