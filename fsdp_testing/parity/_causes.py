@@ -724,14 +724,17 @@ def _low_precision_cause(
                 best = (frac, ref_frac, multiplier)
         assert best is not None  # for mypy: at least one multiplier
         frac, ref_frac, multiplier = best
-        ulps = ((actual - reference).abs() / _ulp(reference, dtype)).median()
-        if frac >= 0.95 and ref_frac <= 0.75 and 0.02 <= float(ulps) <= 4:
+        ulps = ((actual - reference).abs() / _ulp(reference, dtype)).sort().values
+        most, worst = float(ulps[int(0.9 * (count - 1))]), float(ulps[-1])
+        # On the grid where the reference is not, within a few of its ulps, and off the
+        # reference by a visible fraction of one somewhere (fp32 rounding is 2^-16 of one).
+        if frac >= 0.95 and ref_frac <= 0.75 and most <= 4 and worst >= 0.1:
             times = f" x {multiplier}" if multiplier != 1 else ""
             return Cause(
                 CauseKind.LOW_PRECISION_REDUCTION,
                 f"the gradients applied{times} lie on the {label} grid ({frac:.0%} of {count} "
-                f"elements; the reference's {ref_frac:.0%}) and differ from the reference's by "
-                f"{float(ulps):.2f} {label} ulps (median)",
+                f"elements; the reference's {ref_frac:.0%}), 90% of them within {most:.2f} "
+                f"{label} ulps of the reference's",
                 f"a reduction in {label} (cast to {label} before the all-reduce or reduce-scatter)",
             )
     return None
