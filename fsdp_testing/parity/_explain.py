@@ -128,7 +128,7 @@ class History:
                     diverged=name in names,
                 )
             )
-        initial = ()
+        initial: tuple[InitialPair, ...] = ()
         if self.initial is not None:
             initial = tuple(InitialPair(n, rv, av) for n, _, rv, av in _aligned(*self.initial))
         return StepEvidence(
