@@ -288,7 +288,7 @@ def test_blocks_of_the_initial_weights_in_another_order_are_a_wrong_shard_slice(
     assert cause.kind is CauseKind.WRONG_SHARD_SLICE
     assert cause.evidence == (
         "before step 1, rank 0's shard of 0.weight (rows 0-15) equals the reference's rows "
-        "16-31; rank 1's shard of 0.weight (rows 16-31) equals the reference's rows 0-15"
+        "16-31; rank 1's (rows 16-31) equals rows 0-15"
     )
 
 

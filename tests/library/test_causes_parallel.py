@@ -83,8 +83,8 @@ TENSOR_PARALLEL_BUGS = [
     pytest.param(
         WithTheNextRanksRows,
         "before step 1, rank 0's shard of 2.weight (rows 0-31) equals the reference's rows "
-        "32-63; rank 1's shard of 2.weight (rows 32-63) equals the reference's rows 0-31: a "
-        "shard taken from the wrong rank's slice",
+        "32-63; rank 1's (rows 32-63) equals rows 0-31: a shard taken from the wrong rank's "
+        "slice",
         id="wrong-slice",
     ),
     pytest.param(

@@ -167,10 +167,9 @@ ZERO2_BUGS = [
     ),
     pytest.param(
         _zero2(TakesTheNextRanksSlice),
-        "at step 1, the step started from the wrong slice: rank 0's slice of the flat "
-        "parameters (elements 0-403) equals the reference's elements 404-807; rank 1's slice "
-        "of the flat parameters (elements 404-807) equals the reference's elements 0-403: a "
-        "shard taken from the wrong rank's slice",
+        "at step 1, rank 0's slice of the flat parameters (elements 0-403) stepped from the "
+        "reference's elements 404-807; rank 1's (elements 404-807) stepped from elements "
+        "0-403: a shard taken from the wrong rank's slice",
         id="wrong-slice",
     ),
     pytest.param(
@@ -264,8 +263,8 @@ def test_fsdp_core_sharding_the_next_ranks_rows_is_named(process_group):
         message = failure_of(lambda: _nested(process_group))
     assert first_cause(message) == (
         "before step 1, rank 0's shard of module.0.weight (rows 0-1) equals the reference's "
-        "rows 2-3; rank 1's shard of module.0.weight (rows 2-3) equals the reference's rows "
-        "0-1: a shard taken from the wrong rank's slice"
+        "rows 2-3; rank 1's (rows 2-3) equals rows 0-1: a shard taken from the wrong rank's "
+        "slice"
     )
 
 

@@ -58,23 +58,31 @@ DIM_UNITS = {0: "rows", 1: "columns"}
 
 
 def _slice_evidence(
-    name: str, moved: list[tuple[int, int]], spans: list[tuple[int, int]], unit: str, where: str
+    what: str, moved: list[tuple[int, int]], spans: list[tuple[int, int]], unit: str, how: str
 ) -> str:
+    """``"rank 0's shard of w (rows 0-3) equals the reference's rows 4-7; rank 1's (rows 4-7)
+    equals rows 0-3"``: ``what`` is ``"shard of w"``, ``how`` the verb."""
     parts = []
-    for i, j in moved[:3]:
-        parts.append(
-            f"rank {i}'s shard of {name} ({span_text(spans[i], unit)}) equals the reference's "
-            f"{span_text(spans[j], unit)}"
-        )
-    more = f" (and {len(moved) - 3} more shards)" if len(moved) > 3 else ""
-    return f"{where}{'; '.join(parts)}{more}"
+    for n, (i, j) in enumerate(moved[:3]):
+        mine, theirs = span_text(spans[i], unit), span_text(spans[j], unit)
+        if n == 0:
+            parts.append(f"rank {i}'s {what} ({mine}) {how} the reference's {theirs}")
+        else:
+            parts.append(f"rank {i}'s ({mine}) {how} {theirs}")
+    more = f" (and {len(moved) - 3} more)" if len(moved) > 3 else ""
+    return "; ".join(parts) + more
 
 
 def _wrong_slice(
-    pairs: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], world: int, where: str
+    pairs: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
+    world: int,
+    *,
+    where: str,
+    how: str = "equals",
 ) -> Cause | None:
-    """Per parameter along each dim, then over the flat concatenation: ``pairs`` are (name,
-    actual, expected, slack), full shapes."""
+    """Per parameter along each dim, then over the flat concatenation of all of them (the
+    order a flat-buffer wrapper shards): ``pairs`` are (name, actual, expected, per-element
+    slack); a pair whose shapes differ is never a permutation."""
     for name, actual, expected, slack in pairs:
         if actual.shape != expected.shape:
             continue
@@ -83,24 +91,21 @@ def _wrong_slice(
             if moved:
                 spans = [s for s in chunk_spans(actual.shape[dim], world) if s[1] > s[0]]
                 unit = DIM_UNITS.get(dim, f"indices along dim {dim}")
-                return Cause(
-                    CauseKind.WRONG_SHARD_SLICE,
-                    _slice_evidence(name, moved, spans, unit, where),
-                    "a shard taken from the wrong rank's slice",
-                )
-    shaped = [(a, e, s) for _, a, e, s in pairs if a.shape == e.shape]
-    if len(shaped) == len(pairs) and shaped:
-        flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in zip(*shaped, strict=True)]
-        moved = _permutation(flat[0], flat[1], flat[2], world, 0)
+                text = _slice_evidence(f"shard of {name}", moved, spans, unit, how)
+                return Cause(CauseKind.WRONG_SHARD_SLICE, where + text, _WRONG_SLICE)
+    if pairs and all(a.shape == e.shape for _, a, e, _ in pairs):
+        actual = torch.cat([a.reshape(-1) for _, a, _, _ in pairs])
+        expected = torch.cat([e.reshape(-1) for _, _, e, _ in pairs])
+        slack = torch.cat([s.reshape(-1) for _, _, _, s in pairs])
+        moved = _permutation(actual, expected, slack, world, 0)
         if moved:
-            spans = [s for s in chunk_spans(flat[0].numel(), world) if s[1] > s[0]]
-            text = _slice_evidence("the flat parameters", moved, spans, "elements", where)
-            return Cause(
-                CauseKind.WRONG_SHARD_SLICE,
-                text.replace("shard of the flat parameters", "slice of the flat parameters"),
-                "a shard taken from the wrong rank's slice",
-            )
+            spans = [s for s in chunk_spans(actual.numel(), world) if s[1] > s[0]]
+            text = _slice_evidence("slice of the flat parameters", moved, spans, "elements", how)
+            return Cause(CauseKind.WRONG_SHARD_SLICE, where + text, _WRONG_SLICE)
     return None
+
+
+_WRONG_SLICE = "a shard taken from the wrong rank's slice"
 
 
 def initial_causes(evidence: StepEvidence) -> list[Cause]:
@@ -115,14 +120,9 @@ def initial_causes(evidence: StepEvidence) -> list[Cause]:
     pairs = []
     for p in evidence.initial:
         ref, act = p.reference.detach().cpu(), p.actual.detach().cpu()
-        if ref.shape == act.shape:
-            wide_ref, wide_act = ref.to(torch.float64), act.to(torch.float64)
-            pairs.append((p.name, wide_act, wide_ref, ulp_slack(ref, act).view(ref.shape)))
-        else:
-            pairs.append(
-                (p.name, act.to(torch.float64), ref.to(torch.float64), ref.to(torch.float64))
-            )
-    found = _wrong_slice(pairs, evidence.world_size, "before step 1, ")
+        slack = ulp_slack(ref, act).view(ref.shape) if ref.shape == act.shape else ref
+        pairs.append((p.name, act.to(torch.float64), ref.to(torch.float64), slack))
+    found = _wrong_slice(pairs, evidence.world_size, where="before step 1, ")
     if found:
         return [found]
     gross = []
@@ -167,14 +167,14 @@ def slice_after_step(evidence: StepEvidence, diverged: list[ParamStep]) -> Cause
         started.append((p.name, (a - (ra - rb)).view(shape), rb.view(shape), slack))
         ended.append((p.name, a.view(shape), ra.view(shape), slack))
     names = {p.name for p in diverged}
-    for pairs, where in (
-        (started, f"at step {step}, the step started from the wrong slice: "),
-        (ended, f"after step {step}, "),
+    for pairs, where, how in (
+        (started, f"at step {step}, ", "stepped from"),
+        (ended, f"after step {step}, ", "equals"),
     ):
         mine = [pair for pair in pairs if pair[0] in names]
-        found = _wrong_slice(mine, world, where) if mine else None
+        found = _wrong_slice(mine, world, where=where, how=how) if mine else None
         if found is None:
-            found = _wrong_slice(pairs, world, where)
+            found = _wrong_slice(pairs, world, where=where, how=how)
         if found:
             return found
     return None
