@@ -46,8 +46,9 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 def _aligned(reference: Named, actual: Named) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
-    """``(name, reference name, reference value, value)``, paired as ``align_named`` pairs
-    (by name, else by position); unpaired tensors are left out."""
+    """``(name, reference name, reference value, value)``, paired as ``_compare.align_named``
+    pairs them for the comparison (by name, else by position), keeping the reference's own name
+    (the key of its parameter, whose gradient the causes read); unpaired tensors are left out."""
     ref_map, act_map = dict(reference), dict(actual)
     if ref_map.keys() == act_map.keys():
         return [(n, n, ref_map[n], act_map[n]) for n in act_map]

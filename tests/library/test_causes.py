@@ -435,3 +435,16 @@ def test_local_gradient_shards_twice_the_expected_are_a_sum():
     grads = [(f"p{i}", e, 2 * e) for i, e in enumerate(torch.randn(3, 10, generator=g))]
     (cause,) = shard_causes([], grads, rank=0, world_size=2)
     assert cause.kind is CauseKind.GRADIENTS_SUMMED
+
+
+def test_without_sgd_the_structural_causes_remain():
+    """An Adam reference: no gradient is inferred, gross divergence is read from the values,
+    and a parameter left alone is still named."""
+    params = [
+        ParamStep(**{**_param(n, v, g, g, kept=n == "0.bias").__dict__, "sgd": None})
+        for n, (v, g) in _model().items()
+    ]
+    assert all(p.gradients() is None for p in params)
+    (cause,) = local_causes(_evidence(params))
+    assert cause.kind is CauseKind.NEVER_STEPPED
+    assert cause.evidence.startswith("0.bias kept its value")

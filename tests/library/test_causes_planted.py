@@ -338,3 +338,26 @@ def test_check_sharded_parity_names_gradients_summed_by_a_divide_factor_of_one(r
     assert first_cause(failure_of(lambda: check_sharded_parity(reference, model))) == (
         "every gradient is 2.000x the reference's (world size 2): gradients summed, not averaged"
     )
+
+
+@pytest.mark.distributed(world_size=2)
+def test_an_analysis_that_fails_on_one_rank_hides_nothing_and_blocks_no_one(rank, process_group):
+    import fsdp_testing.parity._explain as explain_module
+
+    facts_of = explain_module.rank_facts
+
+    def fails_on_rank_1(evidence: Any, **kw: Any) -> Any:
+        if evidence.rank == 1:
+            raise RuntimeError("planted")
+        return facts_of(evidence, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(explain_module, "rank_facts", fails_on_rank_1)
+        message = failure_of(lambda: _zero2(Sums)(process_group))
+    assert "diverging tensors:\n  2.bias: max abs diff" in message
+    if rank == 1:
+        assert message.endswith(
+            "likely cause: the analysis failed (RuntimeError: planted); the divergence above stands"
+        )
+    else:  # its own numbers still speak
+        assert first_cause(message).startswith("every gradient is 2.000x the reference's")
