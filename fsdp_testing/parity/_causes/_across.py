@@ -30,11 +30,12 @@ def _prefix_cause(facts: Sequence[RankFacts]) -> Cause | None:
     before = list(order[:n])
     still = " and none of them moved" if kept >= gross else ""
     reached = "no gradient reached them" if still else "the gradient reaching them is wrong"
+    after = len(order) - n - 1
+    matching = f"{first_match} and the {after} after it match" if after else "it matches"
     return Cause(
         CauseKind.BACKWARD_STOPS,
-        f"only the {plural(n, 'parameter')} before {first_match} diverge "
-        f"({name_list(before)}){still}; "
-        f"{first_match} and the {len(order) - n - 1} after it match",
+        f"only the {plural(n, 'parameter')} before {first_match} "
+        f"{'diverges' if n == 1 else 'diverge'} ({name_list(before)}){still}; {matching}",
         f"{reached}: a missing all-reduce (or send) of the backward's gradient at the layer of "
         f"{first_match}",
     )

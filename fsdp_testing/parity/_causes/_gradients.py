@@ -25,10 +25,13 @@ from ._math import (
 def factor_cause(
     evidence: StepEvidence, grads: Mapping[str, Gradients], gross: Sequence[str]
 ) -> Cause | None:
+    """One constant ``k`` between the applied gradients of every grossly diverging parameter
+    and the reference's, named by what it matches (``W``, ``1/W``, ``accum_steps``, ...)."""
     used = [n for n in gross if n in grads]
-    if not used or len(used) < len(gross):
+    merged = concat(grads[n] for n in used)
+    if merged is None or len(used) < len(gross):
         return None
-    whole = fit(concat(grads[n] for n in used))  # type: ignore[arg-type]
+    whole = fit(merged)
     if whole is None or not whole.good or whole.error > 0.05:
         return None
     k = whole.k
@@ -90,6 +93,8 @@ def factor_cause(
 
 
 def per_slice_cause(evidence: StepEvidence, grads: Mapping[str, Gradients]) -> Cause | None:
+    """Each rank's chunk of the applied gradients (flat, or its rows of every parameter) a
+    constant of its own times the reference's, the constants different."""
     world = evidence.world_size
     ordered = [(p, grads[p.name]) for p in evidence.params if p.name in grads]
     if world < 2 or len(ordered) < len(evidence.params) or not ordered:
@@ -157,6 +162,8 @@ def _on_grid(x: torch.Tensor, dtype: torch.dtype, slack: torch.Tensor) -> torch.
 def low_precision_cause(
     evidence: StepEvidence, grads: Mapping[str, Gradients], diverged: Sequence[str]
 ) -> Cause | None:
+    """The applied gradients on a bf16 (else fp16) grid where the reference's are not, within
+    a few of its ulps, for a failure with no gross divergence."""
     if not diverged:
         return None
     flat = concat(grads[p.name] for p in evidence.params if p.name in grads)

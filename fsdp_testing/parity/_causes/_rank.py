@@ -4,8 +4,7 @@ reference (:func:`shard_causes`, for ``check_sharded_parity``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,7 +94,9 @@ def local_causes(evidence: StepEvidence) -> tuple[Cause, ...]:
     return tuple(sorted(found, key=lambda c: ORDER[c.kind]))
 
 
-def rank_facts(evidence: StepEvidence, *, diverged: bool, digest: Any) -> RankFacts:
+def rank_facts(
+    evidence: StepEvidence, *, diverged: bool, digest: Callable[[torch.Tensor], str]
+) -> RankFacts:
     """What this rank tells the others about its step (see ``_explain``).
 
     Args:

@@ -109,6 +109,7 @@ _WRONG_SLICE = "a shard taken from the wrong rank's slice"
 
 
 def initial_causes(evidence: StepEvidence) -> list[Cause]:
+    """Before step 1: a wrong shard slice, else initial weights that differ grossly."""
     differing = [
         p
         for p in evidence.initial
