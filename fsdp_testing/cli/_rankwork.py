@@ -9,7 +9,10 @@ reference, training loop and [Note: parity rule] of ``check_fsdp_parity``, with
 [Note: mixed precision parity] for the ``--mp`` rows) with the command line's measurements
 around the sharded model's step. Collectives are counted only while the sharded model runs one
 step, and only from the second step on: the first iteration also records the order that
-prefetching follows. The resident memory high-water mark covers the whole row.
+prefetching follows. The resident memory high-water mark covers the whole row. At the first
+step that diverges on any rank (the ranks agree on it after every step, outside the counted
+step), every rank reads the likely causes from the lockstep (``Lockstep.explain``, the
+library's [Note: likely causes]) and reports them with its numbers.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class CheckCase:
         loss_diff = 0.0
         param_diff: float | None = None
         failures: list[str] = []
+        causes: list[str] | None = None  # read at the first step that diverged anywhere
         step_times: list[float] = []
         comm: list[dict[str, tuple[int, int]]] = []
         by_group: dict[str, dict[str, tuple[int, int]]] = {}
@@ -185,6 +189,8 @@ class CheckCase:
                 param_diff = max(param_diff or 0.0, report.param_diff)
             if report.divergences and not failures:
                 failures.extend(f"step {step}: {d}" for d in report.divergences[:5])
+            if causes is None and _anyone_diverged(bool(report.divergences), ctx.process_group):
+                causes = _likely_causes(setup.lockstep, report, ctx.process_group)
         theory = theoretical_volume(
             setup.sharded,
             engine=setup.engine,
@@ -204,12 +210,30 @@ class CheckCase:
             "loss_diff": loss_diff,
             "param_diff": param_diff,
             "parity_failures": failures,
+            "likely_causes": causes or [],
             "comm": {k: list(v) for k, v in comm[-1].items()} if comm else {},
             "comm_consistent": all(c == comm[-1] for c in comm),
             "theory": {k: list(v) for k, v in totals.items()} if totals is not None else None,
             "layout": theory.layout if theory else None,
             "step_s": statistics.median(step_times) if step_times else None,
         }
+
+
+def _anyone_diverged(diverged: bool, group: Any) -> bool:
+    """Whether any rank of ``group`` diverged at this step (a collective)."""
+    import torch.distributed as dist
+
+    verdicts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, diverged, group=group)
+    return any(verdicts)
+
+
+def _likely_causes(lockstep: Any, report: Any, group: Any) -> list[str]:
+    """The likely causes of ``report``'s divergence, one line each (a collective)."""
+    try:
+        return [str(cause) for cause in lockstep.explain(report, group=group)]
+    except Exception as error:  # never in place of the divergence itself
+        return [f"the analysis failed ({type(error).__name__}: {error})"]
 
 
 def _write(out_dir: str, rank: int, data: dict[str, Any]) -> None:

@@ -38,6 +38,9 @@ class RowResult:
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     """Deviations reported without failing the row (``--comm report``)."""
+    causes: list[str] = dataclasses.field(default_factory=list)
+    """The likely causes of a parity mismatch, one line each (the library's
+    ``Lockstep.explain``); empty where the numbers make none clear."""
     loss_diff: float | None = None
     param_diff: float | None = None
     comm: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -65,6 +68,7 @@ class RowResult:
             "config": dataclasses.asdict(self.config),
             "status": self.status,
             "problems": self.problems,
+            "likely_causes": self.causes,
             "notes": self.notes,
             "loss_max_abs_diff": number(self.loss_diff),
             "param_max_abs_diff": number(self.param_diff),
@@ -169,7 +173,7 @@ def write_junit(path: str, rows: list[RowResult], total_time: float) -> None:
             name=row.config.label,
             time=f"{row.time_s:.3f}",
         )
-        text = "\n".join(row.problems)
+        text = "\n".join([*row.problems, *(f"likely cause: {c}" for c in row.causes)])
         first = row.problems[0] if row.problems else row.status
         if row.status == MISMATCH:
             ET.SubElement(case, "failure", message=first).text = text

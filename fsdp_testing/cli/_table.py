@@ -329,6 +329,12 @@ def _summary(rows: list[RowResult], total_s: float) -> Group:
     return Group(line, Text(), heading, worst)
 
 
+def _cause_lines(row: RowResult) -> list[str]:
+    """A parity mismatch's likely causes, one line each (none where the numbers make none
+    clear)."""
+    return [f"likely cause: {cause}" for cause in row.causes]
+
+
 def print_results(console: Console, rows: list[RowResult], total_s: float) -> None:
     """Everything after the progress lines: the table, the counts and each problem row."""
     counts = count_statuses(rows)
@@ -344,7 +350,7 @@ def print_results(console: Console, rows: list[RowResult], total_s: float) -> No
         for row in rows:
             if row.status != OK or row.notes:
                 print(f"\n{row.status}: {row.config.label}", file=out)
-                for problem in [*row.problems[:8], *row.notes]:
+                for problem in [*row.problems[:8], *_cause_lines(row), *row.notes]:
                     print(f"  {problem}", file=out)
         return
     console.print()
@@ -356,5 +362,5 @@ def print_results(console: Console, rows: list[RowResult], total_s: float) -> No
             console.print()
             console.print(Text.assemble((row.status, STATUS_STYLES.get(row.status, "")), ": ",
                                         row.config.label))  # fmt: skip
-            for problem in [*row.problems[:8], *row.notes]:
+            for problem in [*row.problems[:8], *_cause_lines(row), *row.notes]:
                 console.print(Padding(Text(problem), (0, 0, 0, 2)))

@@ -305,6 +305,8 @@ def _merge(
     row.comm_groups = {
         k: {g: (v[0], v[1]) for g, v in d.items()} for k, d in first["comm_groups"].items()
     }
+    # The same list on every rank (Lockstep.explain agrees on it).
+    row.causes = next((d["likely_causes"] for d in ranks.values() if d["likely_causes"]), [])
     for rank, data in sorted(ranks.items()):
         row.problems += [f"[rank {rank}] parity: {p}" for p in data["parity_failures"]]
         if data["comm"] != first["comm"] or data["theory"] != first["theory"]:

@@ -11,14 +11,22 @@ The same trainer checks a user's own code with no engine adapter: :func:`check_p
 model factory, the user's wrapping (or step) function and a batch function, with a DDP or
 single-process reference ([Note: the user's reference]).
 
+A failure of any of them (and of :func:`check_sharded_parity` and ``fsdp-testing check``) adds
+the likely causes its numbers support, each a :class:`Cause` with one line of evidence, or says
+that none is clear ([Note: likely causes]).
+
 The package, by role: ``_training`` (the training loop), ``_reference`` (the data parallel and
 mixed precision references), ``_lockstep`` (the lockstep trainer and ``check_fsdp_parity``),
 ``_user`` (``check_parity``, for a user's own code),
-``_compare`` (divergences and the rule), ``_resume`` (a DCP checkpoint resumed at another
-world size, [Note: resuming at another world size]), ``_sharded`` (sharded parameters,
-cross-rank states, full parameters) and ``_mixin`` (torch's methods for unittest-style test cases).
+``_compare`` (divergences and the rule), ``_causes`` (the likely causes of a divergence: pure
+analysis of typed evidence), ``_explain`` (what a lockstep keeps for them and the exchange
+between ranks on a failure, [Note: keeping the evidence]), ``_resume`` (a DCP checkpoint
+resumed at another world size, [Note: resuming at another world size]), ``_sharded`` (sharded
+parameters, cross-rank states, full parameters) and ``_mixin`` (torch's methods for
+unittest-style test cases).
 """
 
+from ._causes import Cause, CauseKind, format_causes
 from ._compare import (
     FP32_TOLERANCE,
     LOSS_TOLERANCE,
@@ -55,6 +63,8 @@ __all__ = [
     "LOSS_TOLERANCE",
     "PARAM_TOLERANCE",
     "REFERENCES",
+    "Cause",
+    "CauseKind",
     "Divergence",
     "FSDPParityMixin",
     "Lockstep",
@@ -75,6 +85,7 @@ __all__ = [
     "check_sharded_parity",
     "compare_named",
     "find_test_model",
+    "format_causes",
     "format_divergences",
     "get_full_params",
     "mean_square_loss",

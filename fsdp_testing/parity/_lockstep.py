@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,8 +36,10 @@ from ..models import (
 )
 from ..models._base import resolve_device
 from ..patching import rank_prefix
+from ._causes import Cause, format_causes
 from ._compare import Divergence, ParityRule, format_divergences, max_abs_diff
-from ._reference import build_reference
+from ._explain import History, explain
+from ._reference import build_reference, reference_body
 from ._training import TrainingLoop
 
 __all__ = ["Lockstep", "StepReport", "check_fsdp_parity", "raise_on_divergence"]
@@ -73,6 +76,8 @@ class Lockstep:
         self.sharded = sharded
         self.rule = rule
         self.steps_done = 0
+        # See [Note: keeping the evidence] in ``_explain``.
+        self.history = History()
 
     @classmethod
     def build(
@@ -193,13 +198,17 @@ class Lockstep:
             around_sharded: a context manager factory entered around the sharded model's step
                 only (``fsdp-testing check`` counts collectives and times the step in it).
         """
+        compare_params = self.rule.params is not None
+        if compare_params and self.steps_done == 0:
+            self.history.start(self.reference.named_full_params(), self.sharded.named_full_params())
         self.steps_done += 1
         ref_loss = self.reference.step()
         with around_sharded() if around_sharded is not None else contextlib.nullcontext():
             loss = self.sharded.step(save_model)
-        compare_params = self.rule.params is not None
         ref_params = self.reference.named_full_params() if compare_params else []
         params = self.sharded.named_full_params() if compare_params else []
+        if compare_params:
+            self.history.record(self.steps_done, ref_params, params)
         return StepReport(
             step=self.steps_done,
             ref_loss=ref_loss,
@@ -209,21 +218,60 @@ class Lockstep:
             param_diff=max_abs_diff(ref_params, params) if compare_params else None,
         )
 
+    def explain(self, report: StepReport, *, group: dist.ProcessGroup) -> tuple[Cause, ...]:
+        """The likely causes of the last step's divergence (``report``, this rank's), the same
+        list on every rank; empty where the numbers make none clear. A collective: every rank of
+        ``group`` calls it after the same step. See [Note: likely causes] in ``_causes``.
+
+        Args:
+            report: this rank's report of the last step.
+            group: the ranks that trained.
+        """
+        model = self.reference.model
+        evidence = self.history.evidence(
+            diverged=[d.name for d in report.divergences],
+            reference_model=reference_body(model) if isinstance(model, nn.Module) else None,
+            reference_optimizer=self.reference.optim,
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            accum_steps=self.sharded.accum_steps,
+        )
+        return explain(evidence, diverged=bool(report.divergences), group=group)
+
 
 def _fail(message: str) -> AssertionError:
     return AssertionError(f"{rank_prefix()}{message}")
 
 
-def _agree_on_failure(local: str | None, group: dist.ProcessGroup, where: str) -> None:
+def _causes_section(causes: Callable[[], Sequence[Cause]]) -> str:
+    """The report's likely causes; never in place of the divergence above it."""
+    try:
+        return format_causes(causes())
+    except Exception as error:
+        return (
+            f"likely cause: the analysis failed ({type(error).__name__}: {error}); the "
+            "divergence above stands"
+        )
+
+
+def _agree_on_failure(
+    local: str | None,
+    group: dist.ProcessGroup,
+    where: str,
+    causes: Callable[[], Sequence[Cause]] | None = None,
+) -> None:
     # See [Note: lockstep parity]
     verdicts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(verdicts, local, group=group)
     failed = [r for r, verdict in enumerate(verdicts) if verdict is not None]
     if not failed:
         return
+    section = f"\n{_causes_section(causes)}" if causes is not None else ""
     if local is not None:
-        raise _fail(local)
-    raise _fail(f"{where}: no divergence on this rank, but ranks {failed} of the group diverged")
+        raise _fail(local + section)
+    raise _fail(
+        f"{where}: no divergence on this rank, but ranks {failed} of the group diverged{section}"
+    )
 
 
 def raise_on_divergence(
@@ -234,6 +282,7 @@ def raise_on_divergence(
     num_steps: int,
     group: dist.ProcessGroup,
     subject: str = "sharded",
+    causes: Callable[[], Sequence[Cause]] | None = None,
 ) -> None:
     """Raises ``AssertionError`` on every rank of ``group`` if ``report`` (this rank's step)
     or any other rank's diverged, naming the step, both losses and each diverging tensor (see
@@ -246,6 +295,9 @@ def raise_on_divergence(
         num_steps: the steps the check trains.
         group: the ranks that agree.
         subject: what is compared with the reference (default ``"sharded"``).
+        causes: called on every rank when some rank diverged (a collective, e.g.
+            ``lambda: lockstep.explain(report, group=group)``); its causes are added to the
+            report as its "likely cause" section (default None: no section).
     """
     local = None
     if report.divergences:
@@ -255,7 +307,7 @@ def raise_on_divergence(
             f"{subject} {report.loss.item():.6g}); diverging tensors:\n"
             f"{format_divergences(report.divergences)}"
         )
-    _agree_on_failure(local, group, where)
+    _agree_on_failure(local, group, where, causes)
 
 
 def check_fsdp_parity(
@@ -367,7 +419,12 @@ def check_fsdp_parity(
     for _ in range(num_iters):
         report = lockstep.step(save_model=save_model)
         raise_on_divergence(
-            report, where=where, reference=ref_name, num_steps=num_iters, group=group
+            report,
+            where=where,
+            reference=ref_name,
+            num_steps=num_iters,
+            group=group,
+            causes=functools.partial(lockstep.explain, report, group=group),
         )
 
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..engines import engine_for
 from ..engines._base import default_process_group
 from ..patching import rank_prefix
+from ._causes import format_causes, shard_causes
 from ._compare import Divergence, compare_named, format_divergences
 
 __all__ = [
@@ -68,6 +69,11 @@ def check_sharded_parity(
 
     problems: list[str] = []
     found: list[Divergence] = []
+    # The numbers the likely causes read (see [Note: likely causes] in ``_causes``): the
+    # diverging shards with the full reference, every local gradient with its expected value.
+    shards: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+    grads: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    coordinate: tuple[int, int] | None = None  # (rank, size) on a 1-D mesh
     pairs = list(
         zip(replicated_module.named_parameters(), sharded_module.named_parameters(), strict=False)
     )
@@ -92,6 +98,13 @@ def check_sharded_parity(
         )
         divergence = compare_named([(name, expected.to_local())], [(name, param.to_local())])
         found += divergence
+        mesh = param.device_mesh
+        if mesh.ndim == 1 and isinstance(placements[0], Shard):
+            coordinate = (mesh.get_local_rank(), mesh.size())
+            if divergence:
+                shards.append(
+                    (name, ref_param.detach(), param.to_local().detach(), placements[0].dim)
+                )
         if ref_param.grad is None:
             if param.grad is not None:
                 problems.append(f"{name}.grad exists but the reference has no gradient")
@@ -109,6 +122,7 @@ def check_sharded_parity(
             [(f"{name}.grad", expected_grad.to_local())],
             [(f"{name}.grad", param.grad.to_local())],
         )
+        grads.append((name, expected_grad.to_local().detach(), param.grad.to_local().detach()))
     counts = (len(list(replicated_module.parameters())), len(list(sharded_module.parameters())))
     if counts[0] != counts[1]:
         problems.append(f"parameter counts differ: reference {counts[0]}, sharded {counts[1]}")
@@ -116,6 +130,10 @@ def check_sharded_parity(
         details = "\n".join(f"  {p}" for p in problems)
         if found:
             details += ("\n" if details else "") + format_divergences(found)
+            if coordinate is not None:
+                rank, size = coordinate
+                causes = shard_causes(shards, grads, rank=rank, world_size=size)
+                details += "\n" + format_causes(causes)
         raise _fail(f"check_sharded_parity: sharded module differs from the reference:\n{details}")
 
 

@@ -25,6 +25,7 @@ larger worlds the summation order differs and [Note: parity rule]'s ``FP32_TOLER
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -321,6 +322,7 @@ def check_parity(
             num_steps=num_steps,
             group=group,
             subject="wrapped",
+            causes=functools.partial(lockstep.explain, report, group=group),
         )
         reports.append(report)
     return tuple(reports)

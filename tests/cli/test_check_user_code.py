@@ -80,10 +80,17 @@ def test_check_reports_a_wrong_gradient_scaling_in_a_root_only_engine(tmp_path, 
         "--mp",
         "off",
     )
-    assert code == 1, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 1, out
     (row,) = rows.values()
     assert row["status"] == "MISMATCH"
     assert any("step 1: module.0.weight: max abs diff" in p for p in row["problems"]), row
+    # The likely cause, in the JSON report and under the row's mismatch details.
+    summed = (
+        "every gradient is 2.000x the reference's (world size 2): gradients summed, not averaged"
+    )
+    assert row["likely_causes"] == [summed], row
+    assert f"likely cause: {summed}" in out
 
 
 def test_a_user_model_gets_units_from_wrap_with_a_nested_engine(tmp_path, monkeypatch, capsys):

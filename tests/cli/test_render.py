@@ -274,3 +274,17 @@ def test_default_like_matrix_fits(width):
     text = out.getvalue()
     assert max(len(line.rstrip()) for line in text.splitlines()) <= width
     assert sum(bool(ROW.match(line)) for line in _table_lines(text)) == 180
+
+
+def test_a_mismatch_lists_its_likely_causes_after_its_problems_plain_and_rich():
+    rows = _rows()
+    mismatch = rows[2]
+    mismatch.causes = ["every gradient is 2.000x the reference's (world size 2): gradients summed"]
+    plain = io.StringIO()
+    print_results(make_console(plain), rows, 1.0)
+    details = plain.getvalue().split(f"MISMATCH: {mismatch.config.label}\n")[1].splitlines()
+    assert details[:3] == [f"  {mismatch.problems[0]}", f"  {mismatch.problems[1]}",
+                           f"  likely cause: {mismatch.causes[0]}"]  # fmt: skip
+    console, out = _terminal(200)
+    print_results(console, rows, 1.0)
+    assert f"likely cause: {mismatch.causes[0]}" in out.getvalue()

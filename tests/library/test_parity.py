@@ -256,6 +256,10 @@ def test_parity_failure_names_step_and_parameters_when_gradients_are_not_average
     assert f"[rank {process_group.rank()}]" in message
     assert "at step 1 of 3" in message
     assert "module.0.weight: max abs diff" in message
+    cause = message.split("likely cause:\n  ")[1]
+    assert cause.startswith("the ranks' gradients of module.0.weight, module.1.0.weight, ")
+    assert "differ from each other but average to the reference's (within " in cause
+    assert cause.endswith("gradients not all-reduced: each rank stepped on its own")
 
 
 @pytest.mark.distributed(world_size=2)
@@ -272,6 +276,11 @@ def test_parity_failure_names_a_wrong_parameter_and_its_difference(process_group
     assert "at step 1 of 2" in message
     bias_line = next(line for line in message.splitlines() if "module.3.bias" in line)
     assert "max abs diff 5.0" in bias_line  # the corruption, give or take one SGD step
+    assert message.endswith(
+        "likely cause:\n  before step 1, module.3.bias already differed from the reference (max "
+        "abs diff 5.000e-01): the wrapping changed the initial weights (it must start from the "
+        "module it is given)"
+    )
 
 
 @pytest.mark.distributed(world_size=2)

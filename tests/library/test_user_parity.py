@@ -62,8 +62,12 @@ def test_a_wrong_gradient_scaling_is_reported_by_step_and_parameter(reference, p
     assert "the wrapped model diverged from the reference" in message
     assert "at step 1 of 3" in message
     assert "2.bias: max abs diff" in message
-    # Only that parameter: the others were averaged.
+    # Only that parameter: the others were averaged. The likely cause says so, with the factor.
     assert "0.weight" not in message and "2.weight" not in message
+    assert message.endswith(
+        "likely cause:\n  every diverging gradient (2.bias; 3 other parameters match) is 2.000x "
+        "the reference's (world size 2): gradients summed, not averaged"
+    )
 
 
 @pytest.mark.distributed(world_size=2, mode="thread")
