@@ -138,16 +138,17 @@ def describe_p2p(
             if not is_p2p(e) or e["family"] != "recv":
                 continue
             met = partner(records, rank, e)
-            if met is None or met[1] is None or (rank, id(e)) in seen:
+            if met is None or (rank, id(e)) in seen:
                 continue
             peer, send = met
+            if send is None:
+                continue
             seen.add((rank, id(e)))
             if send.get("bytes") != e.get("bytes"):
                 lines.append(
                     f"size mismatch: {_op(peer, send, where)} sends {_size(send)} but "
                     f"{_op(rank, e, where)} receives {_size(e)}"
                 )
-    lines = lines[:LINES_SHOWN]
     pending = pending_p2p(records)
     for rank, ops in sorted(pending.items()):
         for e in ops:

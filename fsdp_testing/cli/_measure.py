@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from fsdp_testing._rank import comm_observer
 from fsdp_testing.engines._volume import CommVolume, UnitVolume
 
 if TYPE_CHECKING:
@@ -50,8 +51,8 @@ class CollectiveCall:
     """The global ranks of its process group."""
 
 
-class _Watcher:
-    """The listener of a :class:`CollectiveLog` (see ``comm_observer.Listener``)."""
+class _Watcher(comm_observer.Listener):
+    """The listener of a :class:`CollectiveLog`."""
 
     def __init__(self, calls: list[CollectiveCall]) -> None:
         self._calls = calls
@@ -93,8 +94,6 @@ class CollectiveLog:
     @contextlib.contextmanager
     def watching(self) -> Iterator[CollectiveLog]:
         """Record the calls of the ``with`` block."""
-        from fsdp_testing._rank import comm_observer
-
         watcher = _Watcher(self.calls)
         ours = not comm_observer.installed()
         comm_observer.install(None)
