@@ -57,6 +57,16 @@ def exchange(rank):
 
 
 @pytest.mark.distributed(world_size=2, timeout=TIMEOUT)
+def test_warm_up_2(rank):
+    exchange(rank)  # starts the ranks of world size 2: the first test pays for that
+
+
+@pytest.mark.distributed(world_size=3, timeout=TIMEOUT)
+def test_warm_up_3(rank):
+    exchange(rank)
+
+
+@pytest.mark.distributed(world_size=2, timeout=TIMEOUT)
 def test_deadlock_process(rank):
     deadlock(rank)
 
@@ -82,8 +92,9 @@ def test_correct_process(rank):
 """
 
 
-def run(checkout: Path, folder: Path) -> dict[str, float]:
-    """Each test's call time (s) and the session's wall time under ``checkout``'s packages."""
+def run(checkout: Path, folder: Path) -> dict[str, tuple[float, str]]:
+    """Each test's call time (s) and the first words of its report, and the session's wall
+    time, under ``checkout``'s packages."""
     xml = folder / f"report-{checkout.name}.xml"
     env = {
         **os.environ,
@@ -110,8 +121,12 @@ def run(checkout: Path, folder: Path) -> dict[str, float]:
         check=False,
     )
     wall = time.monotonic() - start
-    times = {tc.get("name", ""): float(tc.get("time", 0)) for tc in ET.parse(xml).iter("testcase")}
-    return {**times, "suite (wall)": wall}
+    found: dict[str, tuple[float, str]] = {}
+    for case in ET.parse(xml).iter("testcase"):
+        failure = case.find("failure")
+        said = "passed" if failure is None else (failure.get("message") or "")[:48]
+        found[case.get("name", "")] = (float(case.get("time", 0)), said)
+    return {**found, "suite (wall)": (wall, "")}
 
 
 def main() -> int:
@@ -125,13 +140,14 @@ def main() -> int:
         (folder / "test_suite.py").write_text(textwrap.dedent(SUITE.format(timeout=args.timeout)))
         after = run(ROOT, folder)
         before = run(args.before.resolve(), folder) if args.before else None
-    print(f"{'test':28} {'before (s)':>11} {'after (s)':>10} {'before/after':>13}")
-    for name, seconds in after.items():
+    print(f"{'test':26} {'before (s)':>10} {'after (s)':>10} {'ratio':>7}  report before | after")
+    for name, (seconds, said) in after.items():
         if before is None:
-            print(f"{name:28} {'':>11} {seconds:10.1f}")
+            print(f"{name:26} {'':>10} {seconds:10.1f} {'':>7}  {said}")
             continue
-        old = before.get(name, float("nan"))
-        print(f"{name:28} {old:11.1f} {seconds:10.1f} {old / max(seconds, 1e-9):13.1f}")
+        old, old_said = before.get(name, (float("nan"), ""))
+        ratio = old / max(seconds, 1e-9)
+        print(f"{name:26} {old:10.1f} {seconds:10.1f} {ratio:7.1f}  {old_said} | {said}")
     if args.json:
         args.json.write_text(json.dumps({"after": after, "before": before}, indent=2))
     return 0
