@@ -214,10 +214,10 @@ def _holdups(obs: Observation) -> list[str]:
     return lines
 
 
-def calls_section(obs: Observation) -> list[str]:
-    """What the ranks' logs say about a hang or a crash: where their collectives diverge, what
-    their point-to-point ops wait for, the advice that fits the kind of call that hung, and each
-    rank's last calls."""
+def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
+    """What the ranks' logs say about a hang (``hung``) or a crash: where their collectives
+    diverge, what their point-to-point ops wait for, the advice that fits the kind of call that
+    hung, and each rank's last calls."""
     where = obs.where
     finished = {
         r: _finished_phrase(res).removeprefix("finished the test ")
@@ -243,7 +243,7 @@ def calls_section(obs: Observation) -> list[str]:
         if obs.deadlock or any("no matching" in line for line in p2p):
             parts.append(f"  {P2P_ADVICE}")
     blocked = [r for r, es in obs.records.items() if blocking_entry(es) is not None]
-    if not blocked and not obs.deadlock:
+    if hung and not blocked and not obs.deadlock:
         parts.append(
             "\nno rank is inside a recorded call (collective or point-to-point): the hang is "
             "in user code"

@@ -311,5 +311,5 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         parts.append(f"\n{line}failed{' ' if named else ''}{tail}")
     if dead and any(obs.records.values()):
         # A crash inside a call (gloo's abort on a mismatch): as a hang report shows it.
-        parts.extend(calls_section(obs))
+        parts.extend(calls_section(obs, hung=False))
     return "\n".join(parts)

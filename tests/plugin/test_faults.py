@@ -19,9 +19,24 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def test_kill_names_rank_signal_and_collective(run: Run) -> None:
     case = run.cases["test_kill"]
     assert case.outcome == "failed"
+    # One numbering (issue 49): the collective the peer was in when the kill broke it has the
+    # number the fault has, and a kill is not diagnosed as a hang.
+    assert "aborted: its collective (all_gather_into_tensor #3 [" in case.text, case.text
+    assert "hang" not in case.text.split("last collectives per rank")[0], case.text
     assert case.message.startswith(
         "rank 1 killed by SIGKILL at all_gather_into_tensor #3 (injected by faults.kill) (rank 0 aborted)"
     ), case.message
+
+
+def test_a_kill_and_its_aborted_peer_number_the_collective_alike(run: Run) -> None:
+    # The fault counts all-reduces; the peer's log counts all its collectives: before issue
+    # 49 the report said "killed ... at all_reduce #1" and then "its collective (all_reduce #3".
+    case = run.cases["test_kill_after_other_collectives"]
+    assert case.message.startswith(
+        "rank 1 killed by SIGKILL at all_reduce #1 (injected by faults.kill) (rank 0 aborted)"
+    ), case.message
+    assert "aborted: its collective (all_reduce #1 [" in case.text, case.text
+    assert "hang is in user code" not in case.text
 
 
 def test_fail_raises_on_the_rank_at_the_counted_op(run: Run) -> None:

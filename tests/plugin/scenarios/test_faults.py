@@ -27,6 +27,14 @@ def test_kill(rank):
     _collectives(5)
 
 
+@pytest.mark.distributed(world_size=2, faults=[faults.kill(rank=1, at=1, op="all_reduce")])
+def test_kill_after_other_collectives(rank):
+    t = torch.ones(2)
+    dist.broadcast(t, 0)
+    dist.barrier()
+    dist.all_reduce(t)
+
+
 @pytest.mark.distributed(world_size=2)
 def test_after_kill(rank):
     assert _collectives(2).sum().item() == 8
