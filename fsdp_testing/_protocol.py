@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "ENGINE_ENV",
+    "PROCESS_FIXTURES",
     "RANK_FIXTURES",
     "REPORT_TIMEOUT_S",
     "RESET_TIMEOUT_S",
@@ -40,6 +41,7 @@ __all__ = [
     "RankReady",
     "RankReset",
     "RankResult",
+    "RankSideFixture",
     "ServerHello",
     "StatusQuery",
     "Statuses",
@@ -59,6 +61,35 @@ class RankFixture:
     """Stands in the parent for a fixture whose value only exists on a rank."""
 
     name: str
+
+
+#: pytest's own fixtures that act on the process they run in; a process-mode rank makes its own
+#: (``fsdp_testing/_rank/fixtures.py``) and undoes it when the test ends.
+PROCESS_FIXTURES = ("monkeypatch", "recwarn", "caplog", "capsys")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSideFixture:
+    """Stands in the parent for a fixture of the user's that requests a rank fixture (``rank``,
+    ``process_group``, ``device``, or another such fixture): it is set up and torn down on each
+    rank (see [Note: fixtures on the ranks] in ``fsdp_testing/_rank/fixtures.py``).
+
+    Args:
+        name: the fixture's name.
+        func: the fixture function (a :class:`FunctionRef` for rank processes).
+        kwargs: its arguments: values, :class:`RankFixture` and :class:`RankSideFixture`.
+        scope: pytest's scope name.
+        key: equal for the same fixture set up for the same scope and parameter: a rank keeps
+            a value of a scope broader than ``function`` under it.
+        param: ``request.param`` of a parametrized fixture.
+    """
+
+    name: str
+    func: Any
+    kwargs: dict[str, Any]
+    scope: str = "function"
+    key: str = ""
+    param: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +176,9 @@ class RankResult:
     open_p2p: tuple[dict[str, Any], ...] = ()
     """The rank's point-to-point ops not completed when its body ended (their collective log
     entries): a send or receive nobody met fails the test (``_report/verdict.py``)."""
+    notes: tuple[str, ...] = ()
+    """What the harness noticed on the rank that the report should mention without failing the
+    test (state the test left that made its ranks be replaced)."""
     imported: tuple[str, ...] = ()
     """Preloadable modules the rank imported since its last result (see [Note: preloading what
     ranks import] in ``fsdp_testing/_launch/rank_process.py``)."""

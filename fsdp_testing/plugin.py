@@ -14,25 +14,39 @@ from typing import Any
 
 import pytest
 
-from fsdp_testing._launch.marker_items import parametrize, spec_of_item
+from fsdp_testing._launch.fixtures import (
+    device,
+    dist_backend,
+    process_group,
+    pytest_fixture_setup,
+    rank,
+    refuse_outside_distributed_tests,
+    validate_rank_side_fixtures,
+    world_size,
+)
+from fsdp_testing._launch.marker_items import parametrize, spec_of, spec_of_item
 from fsdp_testing._launch.options import add_options, configure_cpu_world_size, settings_from
 from fsdp_testing._launch.spec import MARKER_SIGNATURE, DistSpec, Mode
 from fsdp_testing._launch.task_build import build_task
 from fsdp_testing._launch.torchrun import job_env
-from fsdp_testing._protocol import ENGINE_ENV, RankFixture
+from fsdp_testing._protocol import ENGINE_ENV
 
-__all__ = ["device", "dist_backend", "process_group", "rank", "world_size"]
+__all__ = [
+    "device",
+    "dist_backend",
+    "process_group",
+    "pytest_fixture_setup",
+    "rank",
+    "world_size",
+]
 
 _settings_key = pytest.StashKey["Any"]()
 _engine_env_key = pytest.StashKey["str | None"]()
 _exit_status_key = pytest.StashKey[int]()
-# An item's DistSpec (None: not distributed), parsed once: setup, each fixture and the call ask.
-_spec_key = pytest.StashKey["DistSpec | None"]()
 # pytest-timeout's and faulthandler_timeout's timers (see [Note: outer timeouts]).
 _timeouts_key = pytest.StashKey["Any"]()
 _limit_note_key = pytest.StashKey[str]()
 _headline_key = pytest.StashKey[str]()  # a failed distributed test's first report line
-_MISSING: Any = object()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -318,13 +332,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize(metafunc)
+    try:
+        spec = spec_of_item(metafunc.definition)
+    except (TypeError, ValueError):
+        return  # the test fails alone when it runs, naming the marker's error
+    if spec is not None:
+        validate_rank_side_fixtures(metafunc, spec)
 
 
-def _spec_of(item: pytest.Item) -> DistSpec | None:
-    spec = item.stash.get(_spec_key, _MISSING)
-    if spec is _MISSING:
-        spec = item.stash[_spec_key] = spec_of_item(item)
-    return spec
+_spec_of = spec_of
 
 
 # [Note: a test sent at the end of its setup]
@@ -346,6 +362,7 @@ _sent_key = pytest.StashKey["Any"]()
 def pytest_runtest_setup(item: pytest.Item) -> Any:
     spec = _spec_of(item)
     if spec is None:
+        refuse_outside_distributed_tests(item)
         return (yield)
     from fsdp_testing.launcher import UnavailableBackend, resolve_backend
 
@@ -403,53 +420,6 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
             _close_harness_window(item)
 
 
-def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:
-    spec = _spec_of(request.node)
-    if spec is None:
-        raise pytest.fail(
-            f"fixture {name!r} is only available in distributed tests: mark the test with "
-            f"@pytest.mark.{MARKER_SIGNATURE}",
-            pytrace=False,
-        )
-    return spec
-
-
-@pytest.fixture
-def rank(request: pytest.FixtureRequest) -> Any:
-    """This rank's index in the process group (distributed tests only)."""
-    _require_marker(request, "rank")
-    return RankFixture("rank")
-
-
-@pytest.fixture
-def world_size(request: pytest.FixtureRequest) -> int:
-    """The number of ranks (distributed tests only)."""
-    return _require_marker(request, "world_size").world_size
-
-
-@pytest.fixture
-def process_group(request: pytest.FixtureRequest) -> Any:
-    """The process group of all ranks (distributed tests only)."""
-    _require_marker(request, "process_group")
-    return RankFixture("process_group")
-
-
-@pytest.fixture
-def device(request: pytest.FixtureRequest) -> Any:
-    """This rank's ``torch.device``: cpu for gloo, this rank's GPU for nccl."""
-    _require_marker(request, "device")
-    return RankFixture("device")
-
-
-@pytest.fixture
-def dist_backend(request: pytest.FixtureRequest) -> str:
-    """The backend the test runs on (distributed tests only)."""
-    spec = _require_marker(request, "dist_backend")
-    from fsdp_testing.launcher import resolve_backend
-
-    return resolve_backend(spec, request.config.stash[_settings_key].backend)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = _spec_of(pyfuncitem)
@@ -499,6 +469,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if note is not None and verdict.outcome is VerdictOutcome.FAILED:
         verdict.message += f"\n\n({note})"
     _add_rank_properties(pyfuncitem, verdict.outcome is VerdictOutcome.FAILED)
+    for text in verdict.notes:  # e.g. the ranks were replaced: shown in pytest's warnings
+        import warnings
+
+        path, line, _ = pyfuncitem.location
+        warnings.warn_explicit(f"fsdp_testing: {text}", RuntimeWarning, path, (line or 0) + 1)
     for title, content in verdict.sections:
         pyfuncitem.add_report_section("call", title, content)
     if verdict.outcome is VerdictOutcome.FAILED:

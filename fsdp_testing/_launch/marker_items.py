@@ -9,7 +9,7 @@ import pytest
 
 from fsdp_testing._launch.spec import DistSpec, parse_marker
 
-__all__ = ["parametrize", "spec_of_item"]
+__all__ = ["parametrize", "spec_of", "spec_of_item"]
 
 _WS_PARAM = "_fsdp_testing_world_size"
 _RANK_PARAM = "_fsdp_testing_fake_rank"
@@ -24,8 +24,12 @@ def _marker_specs(node: Any) -> list[DistSpec] | None:
 
 def parametrize(metafunc: pytest.Metafunc) -> None:
     """``pytest_generate_tests``: a list of world sizes (ids ``ws2``) or fake ranks (``rank7``)
-    in the marker parametrizes the test."""
-    specs = _marker_specs(metafunc.definition)
+    in the marker parametrizes the test. A malformed marker leaves the test as it is: it fails
+    alone when it runs (:func:`spec_of`), the rest of the session runs."""
+    try:
+        specs = _marker_specs(metafunc.definition)
+    except (TypeError, ValueError):
+        return
     if specs is None:
         return
     marker = metafunc.definition.get_closest_marker("distributed")
@@ -39,6 +43,26 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
         metafunc.fixturenames.append(_RANK_PARAM)
         ranks = list(dict.fromkeys(s.rank for s in specs))
         metafunc.parametrize(_RANK_PARAM, ranks, ids=[f"rank{r}" for r in ranks])
+
+
+_spec_key = pytest.StashKey["DistSpec | None"]()
+_MISSING: Any = object()
+
+
+def spec_of(item: pytest.Item) -> DistSpec | None:
+    """The spec ``item`` runs with (None: not a distributed test), parsed once. A malformed
+    marker fails the test (and that test alone) with the marker's error, naming the test."""
+    spec = item.stash.get(_spec_key, _MISSING)
+    if spec is _MISSING:
+        error = None
+        try:
+            spec = spec_of_item(item)
+        except (TypeError, ValueError) as exc:
+            error = f"{item.nodeid}: {exc}"
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+        item.stash[_spec_key] = spec
+    return spec  # type: ignore[no-any-return]
 
 
 def spec_of_item(item: pytest.Item) -> DistSpec | None:

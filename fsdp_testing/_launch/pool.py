@@ -67,6 +67,8 @@ from fsdp_testing._report.observation import Observation
 __all__ = ["ProcessLauncher"]
 
 STACK_DUMP_WAIT_S = 0.3
+STOP_WAIT_S = 5.0
+"""How long trusted ranks may take to tear down their broader-scoped fixtures and exit."""
 START_TIMEOUT_S = 60.0
 _STOP = pickle.dumps(Stop())
 
@@ -244,13 +246,18 @@ class ProcessLauncher:
                 except OSError:
                     pass
 
-    def _discard(self, gen: _Generation) -> None:
+    def _discard(self, gen: _Generation, *, graceful: bool = False) -> None:
+        """End ``gen``'s ranks; ``graceful``: ranks that can be trusted get ``STOP_WAIT_S`` to
+        tear down the fixtures they keep for a broader scope and exit (see [Note: fixtures on
+        the ranks] in ``fsdp_testing/_rank/fixtures.py``), then whatever is left is killed."""
         for conn in gen.conns:
             try:
                 conn.send_bytes(_STOP)
             except OSError:
                 pass
             conn.close()
+        if graceful:
+            self._statuses(gen.pids, STOP_WAIT_S)
         self._kill(gen.pids)
         self._statuses(gen.pids, 1.0)
         shutil.rmtree(gen.gen_dir, ignore_errors=True)
@@ -297,7 +304,7 @@ class ProcessLauncher:
         gen = self._pools.pop((world_size, backend), None)
         if gen is not None and gen.pg_timeout_s < pg_timeout_s:
             # Its collectives would raise before this test's timeout: a longer-lived one starts.
-            self._discard(gen)
+            self._discard(gen, graceful=True)
             return None
         if gen is not None and not self._reset(gen):
             return None
@@ -437,14 +444,10 @@ class ProcessLauncher:
             result.message_follows = False
 
     def shutdown(self) -> None:
-        """Stop every rank and the fork server; remove the session's files."""
+        """Stop every rank (warm ones tear down what they keep first) and the fork server;
+        remove the session's files."""
         for gen in self._pools.values():
-            for conn in gen.conns:
-                try:
-                    conn.send_bytes(_STOP)
-                except OSError:
-                    pass
-            self._kill(gen.pids)
+            self._discard(gen, graceful=True)
         self._pools.clear()
         if self._zconn is not None:
             try:

@@ -34,7 +34,7 @@ from fsdp_testing._protocol import (
     RankResult,
     Stop,
 )
-from fsdp_testing._rank import comm_observer
+from fsdp_testing._rank import comm_observer, fixtures
 from fsdp_testing._rank.capture import install_router
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
@@ -221,6 +221,7 @@ def serve(
         try:
             task = pickle.loads(payload)
             comm_observer.install(flight_log)  # process group classes the test defines
+            state.test_begins()
         except BaseException:
             result = RankResult.harness_failure(
                 rank,
@@ -230,10 +231,19 @@ def serve(
             )
         else:
             if isinstance(task, Stop):
+                fixtures.tear_down_scoped()  # see [Note: fixtures on the ranks]
                 os._exit(0)
             result = run_task(task, ctx, router)
         if not dist.is_initialized():
             result.needs_restart = True
+        left = state.left_running()
+        if left:  # nothing undoes a running thread: this rank is replaced
+            result.needs_restart = True
+            result.notes = (
+                f"the test left {len(left)} thread(s) running ({', '.join(left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}); its ranks were replaced, so the next test "
+                "runs on fresh ones",
+            )
         result.imported = imports.new()
         rank_coverage.save_in_rank()  # before the parent, told of a failure, may kill this rank
         pending, result.pending = result.pending, None

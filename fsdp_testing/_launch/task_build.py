@@ -3,11 +3,20 @@ its fixture values, checked to travel to rank processes (the error names what ca
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from typing import Any
 
 import pytest
 
-from fsdp_testing._protocol import RANK_FIXTURES, FunctionRef, RankFixture, Task
+from fsdp_testing._protocol import (
+    PROCESS_FIXTURES,
+    RANK_FIXTURES,
+    FunctionRef,
+    RankFixture,
+    RankSideFixture,
+    Task,
+)
 from fsdp_testing._rank import temp_paths
 
 __all__ = ["build_task", "local_task"]
@@ -22,6 +31,19 @@ def local_task(item: pytest.Function) -> Task:
             kwargs[name] = RankFixture(name)
     tbstyle = str(item.config.getoption("tbstyle", "auto"))
     return Task(target=item.obj, kwargs=kwargs, test_id=item.nodeid, tbstyle=tbstyle)
+
+
+def portable_value(name: str, value: Any) -> Any:
+    """A fixture value as it travels to rank processes: a temporary path for the rank's use,
+    pytest's process fixtures as placeholders the rank makes its own of (see [Note: fixtures
+    on the ranks] in ``fsdp_testing/_rank/fixtures.py``), a rank-side fixture with its own
+    arguments made portable."""
+    if name in PROCESS_FIXTURES and not isinstance(value, RankFixture):
+        return RankFixture(name)
+    if isinstance(value, RankSideFixture):
+        kwargs = {arg: portable_value(arg, v) for arg, v in value.kwargs.items()}
+        return dataclasses.replace(value, kwargs=kwargs)
+    return temp_paths.portable(value)
 
 
 def build_task(item: pytest.Function, *, portable: bool) -> Task:
@@ -40,7 +62,7 @@ def build_task(item: pytest.Function, *, portable: bool) -> Task:
         kwargs = {"self": item.instance, **kwargs}
     from fsdp_testing._integrations.rank_properties import RECORDING_FIXTURES
 
-    kwargs = {name: temp_paths.portable(value) for name, value in kwargs.items()}
+    kwargs = {name: portable_value(name, value) for name, value in kwargs.items()}
     for name, value in kwargs.items():
         if isinstance(value, RankFixture):
             continue

@@ -10,7 +10,8 @@ import unittest
 from collections.abc import Iterator
 
 from fsdp_testing._integrations import debugging, seeds
-from fsdp_testing._protocol import FunctionRef, Outcome, RankFixture, RankResult, Task
+from fsdp_testing._protocol import FunctionRef, Outcome, RankResult, Task
+from fsdp_testing._rank import fixtures
 from fsdp_testing._rank.capture import CaptureRouter
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.resolve import resolve
@@ -94,11 +95,8 @@ def run_task(task: Task, ctx: RankContext, router: CaptureRouter | None) -> Rank
         target = task.target
         if isinstance(target, FunctionRef):
             target = resolve(target)
-        kwargs = {
-            k: ctx.value(v.name) if isinstance(v, RankFixture) else v
-            for k, v in task.kwargs.items()
-        }
-        with _faults_injected(task, ctx):
+        # See [Note: fixtures on the ranks]: set up before the body, torn down after it.
+        with fixtures.arguments(task.kwargs, ctx) as kwargs, _faults_injected(task, ctx):
             if hasattr(target, "run_on_rank"):
                 target.run_on_rank(ctx, **kwargs)
             else:

@@ -1,12 +1,18 @@
 """Where per-test state is reset on a warm rank: what a test may change in its process (RNG,
-default dtype and device, grad mode, ``torch.distributed`` attributes, extra process groups) is
-captured once and restored after every test. See [Note: warm pool isolation] in
+default dtype and device, grad mode, torch's global switches, ``torch.distributed`` attributes,
+extra process groups, the environment, the working directory, ``sys.path``, signal handlers) is
+captured once and restored after every test; what cannot be undone (threads the test started and
+left running) is detected and the rank is replaced. See [Note: warm pool isolation] in
 ``fsdp_testing/_launch/pool.py``; thread mode restores the same state after each test.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import sys
+import threading
 import types
 from collections.abc import Callable
 
@@ -38,6 +44,12 @@ class RankState:
         self._groups = set(c10d._world.pg_map)
         self._store: object = None  # the default group's own store, once a reset has seen it
         self._resets = 0
+        self._environ = dict(os.environ)
+        self._cwd = os.getcwd()
+        self._sys_path = list(sys.path)
+        self._switches = _torch_switches()
+        self._signals = _signal_handlers()
+        self._threads: set[int] = set()
 
     def restore(self) -> None:
         """Restore the captured state."""
@@ -48,6 +60,9 @@ class RankState:
         """What :meth:`restore` runs, in order, each with its name
         (``benchmarks/rank_resets.py`` times them one by one)."""
         return [
+            ("environment, working directory, sys.path", self._restore_process),
+            ("signal handlers", self._restore_signals),
+            ("torch's global switches", self._restore_switches),
             ("torch.distributed attributes", self._restore_attributes),
             ("process groups the test made", self._destroy_new_groups),
             ("the store new groups meet in", self._fresh_group_store),
@@ -55,6 +70,38 @@ class RankState:
             ("torch and Python RNG", self._restore_rng),
             ("default dtype, grad mode and device", self._restore_defaults),
         ]
+
+    def test_begins(self) -> None:
+        """Note the threads alive before a test (see :meth:`left_running`)."""
+        self._threads = {t.ident for t in threading.enumerate() if t.ident is not None}
+
+    def left_running(self) -> list[str]:
+        """The threads the last test started that are still alive: state no reset can undo (the
+        rank is replaced); an empty list when there are none."""
+        return [
+            t.name
+            for t in threading.enumerate()
+            if t.ident not in self._threads and t.is_alive() and t is not threading.current_thread()
+        ]
+
+    def _restore_process(self) -> None:
+        if os.environ != self._environ:
+            os.environ.clear()
+            os.environ.update(self._environ)
+        if os.getcwd() != self._cwd:
+            os.chdir(self._cwd)
+        if sys.path != self._sys_path:
+            sys.path[:] = self._sys_path
+
+    def _restore_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # thread mode: the ranks are threads, only the main thread sets handlers
+        for sig, handler in self._signals.items():
+            if signal.getsignal(sig) is not handler and handler is not None:
+                signal.signal(sig, handler)
+
+    def _restore_switches(self) -> None:
+        _set_torch_switches(self._switches)
 
     def _restore_attributes(self) -> None:
         saved = zip(self._modules, self._attrs, self._snapshots, strict=True)
@@ -125,6 +172,50 @@ class RankState:
         torch.set_grad_enabled(True)
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)
+
+
+def _signal_handlers() -> dict[signal.Signals, object]:
+    found = {}
+    for sig in signal.valid_signals():
+        try:
+            found[signal.Signals(sig)] = signal.getsignal(sig)
+        except (ValueError, OSError):  # not a settable signal here
+            continue
+    return found
+
+
+def _torch_switches() -> dict[str, object]:
+    """torch's process-wide switches a test may flip, beyond the defaults restored elsewhere."""
+    import torch
+
+    return {
+        "num_threads": torch.get_num_threads(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "anomaly": torch.is_anomaly_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cuda_matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
+
+
+def _set_torch_switches(switches: dict[str, object]) -> None:
+    import torch
+
+    now = _torch_switches()
+    if now == switches:
+        return
+    if now["num_threads"] != switches["num_threads"]:
+        torch.set_num_threads(int(switches["num_threads"]))  # type: ignore[call-overload]
+    torch.set_float32_matmul_precision(str(switches["matmul_precision"]))
+    torch.use_deterministic_algorithms(
+        bool(switches["deterministic"]), warn_only=bool(switches["deterministic_warn"])
+    )
+    torch.autograd.set_detect_anomaly(bool(switches["anomaly"]))
+    torch.backends.cudnn.deterministic = bool(switches["cudnn_deterministic"])
+    torch.backends.cudnn.benchmark = bool(switches["cudnn_benchmark"])
+    torch.backends.cuda.matmul.allow_tf32 = bool(switches["cuda_matmul_tf32"])
 
 
 def _snapshot(attrs: dict[str, object]) -> list[object]:

@@ -49,10 +49,22 @@ class Verdict:
     """The failure report, or the skip/xfail reason."""
     sections: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Extra report sections: each rank's captured output."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the report mentions without failing the test (the plugin warns with each)."""
 
 
 def judge(obs: Observation) -> Verdict:
     """Decide the test's outcome from ``obs``."""
+    verdict = _judge(obs)
+    by_note: dict[str, list[int]] = {}
+    for rank, res in sorted(obs.results.items()):
+        for note in res.notes:
+            by_note.setdefault(note, []).append(rank)
+    verdict.notes = [f"{ranks_phrase(ranks, obs.where)}: {note}" for note, ranks in by_note.items()]
+    return verdict
+
+
+def _judge(obs: Observation) -> Verdict:
     printed = {r: res.stdout for r, res in obs.results.items() if res.stdout}
     sections = [
         (f"output {ranks_heading(ranks, obs.where)}", printed[ranks[0]])
