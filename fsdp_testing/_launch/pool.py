@@ -336,7 +336,8 @@ class ProcessLauncher:
         if sent.reuse and trusted:
             self._pools[(gen.world_size, gen.backend)] = gen
         else:
-            self._discard(gen)
+            # Ranks that answered may end as they would: they tear down what they keep.
+            self._discard(gen, graceful=not (obs.stragglers or obs.dead))
         return obs
 
     def _reset(self, gen: _Generation) -> bool:

@@ -267,7 +267,10 @@ def serve(
         except BaseException:
             conn.send(RankReset(rank, traceback.format_exc()))
             os._exit(1)
-        conn.send(RankReset(rank))
+        try:
+            conn.send(RankReset(rank))
+        except OSError:
+            pass  # the parent ended this generation: its Stop waits to be read, below
 
 
 def _formatted(pending: failure.Pending) -> str:

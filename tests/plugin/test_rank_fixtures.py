@@ -1,0 +1,139 @@
+"""Fixtures on the ranks (issue 49): a fixture that requests ``rank``, ``process_group`` or
+``device`` is set up and torn down on each rank, with pytest's scopes, parameters, ``request``
+and yield teardown; its errors are the rank's; broader scopes stay on warm ranks until they end;
+what cannot work is refused at collection naming the fixture and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .._scenario import Run, run_scenario
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, list[dict]]:
+    work = tmp_path_factory.mktemp("rank_fixtures")
+    path = work / "record.jsonl"
+    run = run_scenario(work, "test_rank_fixtures.py", env={"SCENARIO_RECORD": str(path)})
+    notes = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return run, notes
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "test_a_fixture_builds_the_model_on_each_rank",
+        "test_parametrized_fixture[sum]",
+        "test_parametrized_fixture[max]",
+        "test_module_scope_first",
+        "test_module_scope_second",
+        "test_thread_mode[sum]",
+        "test_thread_mode[max]",
+        "test_local_mode",
+    ],
+)
+def test_fixtures_run_on_each_rank(record: tuple[Run, list[dict]], name: str) -> None:
+    case = record[0].cases[name]
+    assert case.outcome == "passed", case.text
+
+
+def test_teardown_and_finalizers_run_on_each_rank(record: tuple[Run, list[dict]]) -> None:
+    notes = record[1]
+    for rank in (0, 1):
+        mine = [n["what"] for n in notes if n["rank"] == rank]
+        assert mine.count("ddp_model up") == mine.count("ddp_model down") >= 2, mine
+        assert "finalizer sum" in mine and "finalizer max" in mine
+        # The module-scoped fixture: set up once, torn down when the warm ranks end.
+        assert mine.count("table up") == 1 and mine.count("table down") == 1, mine
+
+
+def test_errors_in_a_fixture_are_the_ranks_failure(record: tuple[Run, list[dict]]) -> None:
+    run = record[0]
+    setup = run.cases["test_setup_error_is_the_ranks_failure"]
+    assert setup.message.startswith(
+        "rank 1 failed: RuntimeError: rank 1 cannot set this up [(in the setup of fixture "
+        "'broken_on_one' on rank 1)]"
+    ), setup.message
+    teardown = run.cases["test_teardown_error_is_the_ranks_failure"]
+    assert teardown.message.startswith(
+        "rank 0 failed: ValueError: rank 0's teardown broke [(in the teardown of fixture "
+        "'fails_teardown' on rank 0)]"
+    ), teardown.message
+
+
+def test_outside_a_distributed_test_the_fixture_names_the_marker(
+    record: tuple[Run, list[dict]],
+) -> None:
+    case = record[0].cases["test_not_distributed"]
+    assert case.outcome == "error"
+    assert "fixture 'rank' is only available in distributed tests" in case.message
+
+
+SCOPE_IN_THREAD_MODE = """
+import pytest
+
+
+@pytest.fixture(scope="module")
+def table(process_group):
+    return {}
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_uses_it(table):
+    pass
+"""
+
+
+def test_a_broader_scope_in_thread_mode_is_refused_at_collection(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(SCOPE_IN_THREAD_MODE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_uses_it: fixture 'table' (scope='module') requests a rank fixture, so it runs "
+            "on each rank; in mode='thread' a rank's process group lives for one test. Make it "
+            "scope='function', or use mode='process'*"
+        ]
+    )
+    assert "fsdp_testing/" not in result.stdout.str()  # no plugin frames
+
+
+BAD_MARKER = """
+import pytest
+
+
+@pytest.mark.distributed(world_size=0)
+def test_bad(rank):
+    pass
+
+
+@pytest.mark.distributed(world_size=2, mode="nonsense")
+def test_bad_mode(rank):
+    pass
+
+
+@pytest.mark.distributed(world_size=2)
+def test_good(rank):
+    pass
+"""
+
+
+def test_a_bad_marker_fails_its_test_alone(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(BAD_MARKER)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(passed=1, errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_bad: distributed marker: world_size must be at least 1, got 0*",
+            "*::test_bad_mode: distributed marker: unknown mode 'nonsense'*",
+        ]
+    )
+    out = result.stdout.str()
+    assert "Interrupted" not in out and "plugin.py" not in out and "marker_items" not in out
+
+
+def test_record_file_exists(record: tuple[Run, list[dict]]) -> None:
+    assert Path(record[0].tag)  # the session ran (its outcomes are checked above)
+    assert record[1], record[0].stdout[-3000:]
