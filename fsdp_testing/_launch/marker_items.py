@@ -62,7 +62,7 @@ def spec_of(item: pytest.Item) -> DistSpec | None:
         if error is not None:
             pytest.fail(error, pytrace=False)
         item.stash[_spec_key] = spec
-    return spec  # type: ignore[no-any-return]
+    return spec
 
 
 def spec_of_item(item: pytest.Item) -> DistSpec | None:

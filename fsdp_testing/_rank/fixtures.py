@@ -123,7 +123,7 @@ class _TestFixtures:
         if name not in self._made:
             manager = _MAKERS[name]()
             self._made[name] = manager.__enter__()
-            self._teardowns.append((name, lambda: manager.__exit__(None, None, None)))
+            self._teardowns.append((name, lambda: _exit(manager)))
         return self._made[name]
 
     def _user_fixture(self, fixture: RankSideFixture) -> Any:
@@ -175,6 +175,10 @@ class _TestFixtures:
         self._made.clear()
         if first is not None and not body_failed:
             raise first
+
+
+def _exit(manager: contextlib.AbstractContextManager[Any]) -> None:
+    manager.__exit__(None, None, None)
 
 
 def _function(fixture: RankSideFixture) -> Callable[..., Any]:

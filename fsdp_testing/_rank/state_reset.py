@@ -15,6 +15,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["RankState"]
 
@@ -48,7 +49,7 @@ class RankState:
         self._cwd = os.getcwd()
         self._sys_path = list(sys.path)
         self._switches = _torch_switches()
-        self._signals = _signal_handlers()
+        self._signals: dict[signal.Signals, Any] = _signal_handlers()
         self._threads: set[int] = set()
 
     def restore(self) -> None:
@@ -174,8 +175,8 @@ class RankState:
             torch.set_default_device(None)
 
 
-def _signal_handlers() -> dict[signal.Signals, object]:
-    found = {}
+def _signal_handlers() -> dict[signal.Signals, Any]:
+    found: dict[signal.Signals, Any] = {}
     for sig in signal.valid_signals():
         try:
             found[signal.Signals(sig)] = signal.getsignal(sig)

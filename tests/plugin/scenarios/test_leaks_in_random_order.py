@@ -51,7 +51,7 @@ def test_pytest_process_fixtures_work_on_ranks(rank, caplog, capsys, recwarn, n)
     assert caplog.messages == [f"rank {rank} logs"]
     print("printed")
     assert capsys.readouterr().out == "printed\n"
-    warnings.warn("a user warning", UserWarning)
+    warnings.warn("a user warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in recwarn] == ["a user warning"]
 
 
