@@ -54,6 +54,11 @@ class Deadline:
         if self._first_failure is not None:
             self._first_failure = time.monotonic()
 
+    def extend(self, seconds: float) -> None:
+        """Move the timeout ``seconds`` later (see [Note: importing is not hanging] in
+        ``fsdp_testing/_report/imports.py``)."""
+        self._deadline = max(self._deadline, time.monotonic()) + seconds
+
     def timeout_remaining(self) -> float:
         """Seconds left until the timeout itself, whatever failed."""
         return max(0.0, self._deadline - time.monotonic())

@@ -36,11 +36,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from fsdp_testing._launch.deadline import Deadline, pg_timeout_for
+from fsdp_testing._launch.generation import (
+    Generation,
+    ImportWait,
+    dump_stacks,
+    imports_of,
+    read_logs,
+)
 from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._launch.wait_watch import WaitWatch, note_deadlock, process_asleep
 from fsdp_testing._protocol import (
@@ -66,7 +72,6 @@ from fsdp_testing._report.observation import Observation
 
 __all__ = ["ProcessLauncher"]
 
-STACK_DUMP_WAIT_S = 0.3
 STOP_WAIT_S = 5.0
 """How long trusted ranks may take to tear down their broader-scoped fixtures and exit."""
 START_TIMEOUT_S = 60.0
@@ -74,39 +79,10 @@ _STOP = pickle.dumps(Stop())
 
 
 @dataclasses.dataclass
-class _Generation:
-    world_size: int
-    backend: str
-    gen_dir: str
-    conns: list[Connection]
-    pids: list[int]
-    pg_timeout_s: float
-
-    def log_path(self, rank: int) -> str:
-        return os.path.join(self.gen_dir, f"rank{rank}.log")
-
-    def log_size(self, rank: int) -> int:
-        try:
-            return os.path.getsize(self.log_path(rank))
-        except OSError:
-            return 0
-
-    def read_log(self, rank: int, offset: int, limit: int = 20000) -> str:
-        try:
-            with open(self.log_path(rank), "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except OSError:
-            return ""
-        text = data.decode(errors="replace")
-        return text if len(text) <= limit else "...\n" + text[-limit:]
-
-
-@dataclasses.dataclass
 class SentTask:
     """A task on its way on every rank of ``gen``; :meth:`ProcessLauncher.finish` waits for it."""
 
-    gen: _Generation
+    gen: Generation
     timeout: float
     deadline: Deadline
     offsets: list[int]
@@ -124,7 +100,7 @@ class ProcessLauncher:
         self._server: socket.socket | None = None
         self._server_proc: subprocess.Popen[bytes] | None = None
         self._zconn: Connection | None = None
-        self._pools: dict[tuple[int, str], _Generation] = {}
+        self._pools: dict[tuple[int, str], Generation] = {}
         """Warm generations by (world size, backend)."""
         self._gen_counter = 0
         self._rank_imports: dict[str, None] = {}
@@ -183,7 +159,7 @@ class ProcessLauncher:
 
     # --- generations ----------------------------------------------------------------------
 
-    def _start_generation(self, world_size: int, backend: str, pg_timeout_s: float) -> _Generation:
+    def _start_generation(self, world_size: int, backend: str, pg_timeout_s: float) -> Generation:
         zconn = self._ensure_fork_server()
         self._gen_counter += 1
         gen_dir = os.path.join(self._root, f"gen{self._gen_counter}")
@@ -232,9 +208,7 @@ class ProcessLauncher:
         except BaseException:
             self._kill(pids)
             raise
-        return _Generation(
-            world_size, backend, gen_dir, [c for c in conns if c], pids, pg_timeout_s
-        )
+        return Generation(world_size, backend, gen_dir, [c for c in conns if c], pids, pg_timeout_s)
 
     def _kill(self, pids: list[int]) -> None:
         for pid in pids:
@@ -246,7 +220,7 @@ class ProcessLauncher:
                 except OSError:
                     pass
 
-    def _discard(self, gen: _Generation, *, graceful: bool = False) -> None:
+    def _discard(self, gen: Generation, *, graceful: bool = False) -> None:
         """End ``gen``'s ranks; ``graceful``: ranks that can be trusted get ``STOP_WAIT_S`` to
         tear down the fixtures they keep for a broader scope and exit (see [Note: fixtures on
         the ranks] in ``fsdp_testing/_rank/fixtures.py``), then whatever is left is killed."""
@@ -298,7 +272,7 @@ class ProcessLauncher:
         gen = self._take_warm(world_size, backend, pg_timeout_for(timeout))
         return None if gen is None else self._send(gen, task, timeout, reuse=True)
 
-    def _take_warm(self, world_size: int, backend: str, pg_timeout_s: float) -> _Generation | None:
+    def _take_warm(self, world_size: int, backend: str, pg_timeout_s: float) -> Generation | None:
         """The warm generation of (``world_size``, ``backend``), out of the pool and reset, if
         one can serve a test whose group must wait ``pg_timeout_s``; None otherwise."""
         gen = self._pools.pop((world_size, backend), None)
@@ -310,7 +284,7 @@ class ProcessLauncher:
             return None
         return gen
 
-    def _send(self, gen: _Generation, task: Task, timeout: float, reuse: bool) -> SentTask:
+    def _send(self, gen: Generation, task: Task, timeout: float, reuse: bool) -> SentTask:
         payload = pickle.dumps(task)
         offsets = [gen.log_size(r) for r in range(gen.world_size)]
         deadline = Deadline(timeout)  # the test's time runs from here
@@ -340,7 +314,7 @@ class ProcessLauncher:
             self._discard(gen, graceful=not (obs.stragglers or obs.dead))
         return obs
 
-    def _reset(self, gen: _Generation) -> bool:
+    def _reset(self, gen: Generation) -> bool:
         """Whether every rank of ``gen`` reset itself after its last task (it says so while the
         parent reports that task, so this rarely waits). If one could not, ``gen`` is
         discarded with a warning that carries the rank's traceback."""
@@ -370,11 +344,12 @@ class ProcessLauncher:
         return False
 
     def _collect(
-        self, gen: _Generation, timeout: float, deadline: Deadline, offsets: list[int]
+        self, gen: Generation, timeout: float, deadline: Deadline, offsets: list[int]
     ) -> Observation:
         pending = {conn: rank for rank, conn in enumerate(gen.conns)}
         obs = Observation(world_size=gen.world_size, timeout=timeout)
-        watch = WaitWatch(lambda: _read_logs(gen), process_asleep(dict(enumerate(gen.pids))))
+        watch = WaitWatch(lambda: read_logs(gen), process_asleep(dict(enumerate(gen.pids))))
+        imports = ImportWait(deadline)
         while pending:
             left = deadline.remaining()
             if not deadline.failed:  # a failure's grace is short: no deadlock to look for
@@ -382,6 +357,8 @@ class ProcessLauncher:
             ready = wait(list(pending), timeout=left)
             if not ready:
                 if deadline.expired():
+                    if not deadline.failed and self._still_importing(gen, pending, imports):
+                        continue  # see [Note: importing is not hanging]
                     break
                 found = None if deadline.failed else watch.look(obs.results)
                 if found is not None:
@@ -403,17 +380,17 @@ class ProcessLauncher:
                     deadline.note_failure()
         obs.stragglers = set(pending.values())
         obs.timed_out = bool(obs.deadlock) or deadline.timed_out(bool(obs.stragglers))
+        obs.import_wait = imports.extended
         if obs.stragglers:
-            # See [Note: collective log]: read what every rank was doing.
+            # See [Note: collective log]: read what every rank was doing; and what it imported,
+            # for the next ranks (see [Note: importing is not hanging]).
+            stacks = dump_stacks(gen, sorted(obs.stragglers), imports_too=True)
             for rank in obs.stragglers:
-                try:
-                    os.kill(gen.pids[rank], signal.SIGUSR1)
-                except OSError:
-                    pass
-            time.sleep(STACK_DUMP_WAIT_S)
-            for rank in obs.stragglers:
-                obs.stacks[rank] = _strip_output(gen.read_log(rank, offsets[rank]), rank, obs)
+                end = imports.first_dump.get(rank, stacks[rank][0])
+                obs.last_output[rank] = gen.read_log(rank, offsets[rank], end=end)
+                obs.stacks[rank] = stacks[rank][1]
             self._kill([gen.pids[r] for r in obs.stragglers])
+            self._rank_imports.update(dict.fromkeys(imports_of(gen, obs.stragglers)))
         self._read_messages(gen, obs)
         failed = any(r.outcome is Outcome.FAILED for r in obs.results.values())
         in_flight = any(r.open_p2p for r in obs.results.values())
@@ -429,7 +406,18 @@ class ProcessLauncher:
                 obs.last_output[rank] = gen.read_log(rank, offsets[rank])
         return obs
 
-    def _read_messages(self, gen: _Generation, obs: Observation) -> None:
+    def _still_importing(self, gen: Generation, pending: dict, imports: ImportWait) -> bool:
+        """At the deadline: whether a rank still running is importing, and the deadline was
+        extended for it (see [Note: importing is not hanging])."""
+        if not imports.budget():
+            return False
+        ranks = sorted(pending.values())
+        stacks = dump_stacks(gen, ranks, imports_too=False)
+        for rank, (start, _) in stacks.items():
+            imports.first_dump.setdefault(rank, start)
+        return imports.extend({r: text for r, (_, text) in stacks.items()})
+
+    def _read_messages(self, gen: Generation, obs: Observation) -> None:
         """Fill in the tracebacks ranks formatted after their results, off the test's clock
         (see [Note: a rank's report is written off the clock] in ``_protocol.py``)."""
         deadline = Deadline(REPORT_TIMEOUT_S)
@@ -464,25 +452,3 @@ class ProcessLauncher:
         if self._server is not None:
             self._server.close()
         shutil.rmtree(self._root, ignore_errors=True)
-
-
-def _read_logs(
-    gen: _Generation,
-) -> tuple[dict[int, list[dict]], dict[int, dict[str, int] | None]]:
-    records: dict[int, list[dict]] = {}
-    channels: dict[int, dict[str, int] | None] = {}
-    for rank in range(gen.world_size):
-        path = os.path.join(gen.gen_dir, f"rank{rank}.flight")
-        records[rank], channels[rank] = collective_log.read_record_file(path)
-    return records, channels
-
-
-def _strip_output(log: str, rank: int, obs: Observation) -> str:
-    """Split a straggler's log into its output and the stack dump that SIGUSR1 appended."""
-    marker = log.find("Thread 0x")
-    if marker < 0:
-        marker = log.find("Current thread 0x")
-    if marker < 0:
-        return log
-    obs.last_output[rank] = log[:marker]
-    return log[marker:]

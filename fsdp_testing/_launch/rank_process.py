@@ -42,10 +42,12 @@ from fsdp_testing._rank.state_reset import RankState
 from fsdp_testing._report import collective_log, failure
 
 __all__ = [
+    "IMPORTS_SIGNAL",
     "STACK_SIGNAL",
     "ImportWatch",
     "connect",
     "die_with_parent",
+    "imports_file",
     "preload",
     "preload_modules",
     "preloadable",
@@ -53,6 +55,18 @@ __all__ = [
 ]
 
 STACK_SIGNAL = signal.SIGUSR1
+IMPORTS_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2) + (
+    1 if hasattr(signal, "SIGRTMIN") else 0
+)
+"""Asks a rank about to be stopped to write the modules it imported (see [Note: importing is not
+hanging] in ``fsdp_testing/_report/imports.py``)."""
+
+
+def imports_file(gen_dir: str, rank: int) -> str:
+    """Where a rank writes the preloadable modules it imported, one per line."""
+    return os.path.join(gen_dir, f"imports{rank}.txt")
+
+
 """The parent sends this to a rank to have it dump every thread's stack into its log."""
 
 
@@ -94,7 +108,11 @@ def preload() -> None:
 # no thread (a process is safe to fork only while it runs one), checked by the tests.
 
 PRELOADED_PACKAGES = ("torch", "fsdp_core")
-NOT_PRELOADED = ("torch.testing._internal",)
+# torch.utils.cpp_extension asks CUDA for its devices when it is imported (torch 2.15's CUDA
+# build): imported by the fork server, it made every rank forked after it fail with "Cannot
+# re-initialize CUDA in forked subprocess" (issue 49; a test checks no preloaded module of the
+# suite's ranks starts CUDA: tests/plugin/test_pool.py).
+NOT_PRELOADED = ("torch.testing._internal", "torch.utils.cpp_extension")
 
 
 def preloadable(name: str) -> bool:
@@ -204,12 +222,20 @@ def serve(
         return recorder
 
     comm_observer.install(flight_log)
-    state = RankState()
     router = install_router(tee=log)
     failure.format_in_parent()  # kept as Pending: formatted after the result is sent, below
     import torch.distributed as dist
 
     imports = ImportWatch()
+
+    def write_imports(signum: int, frame: object) -> None:
+        # Python code between two bytecodes of whatever the rank runs (an import, most likely):
+        # small, and no locks shared with it.
+        with open(imports_file(spec.gen_dir, rank), "a") as f:
+            f.write("".join(name + "\n" for name in imports.new()))
+
+    signal.signal(IMPORTS_SIGNAL, write_imports)
+    state = RankState()  # after every handler the harness sets: a reset keeps them
 
     conn.send(RankReady(rank, os.getpid()))
     while True:

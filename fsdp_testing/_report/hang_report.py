@@ -24,13 +24,15 @@ from fsdp_testing._report.divergence import (
 )
 from fsdp_testing._report.failure import mask, message_of
 from fsdp_testing._report.grouping import group_ranks
+from fsdp_testing._report.imports import Importing, importing
 from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.p2p import describe_p2p, pending_p2p
-from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase
+from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
 
 __all__ = [
     "P2P_ADVICE",
     "calls_section",
+    "importing_in",
     "readable_stack",
     "stack_key",
     "stack_sources",
@@ -90,6 +92,39 @@ def _threads(text: str) -> list[tuple[str, list[_Frame]]]:
     if frames or heading:
         threads.append((heading, frames[::-1] if recent_first else frames))
     return threads
+
+
+def importing_in(text: str) -> Importing | None:
+    """The import in progress on the thread of a stack dump that runs the test (the first
+    thread whose frames are not all torch's and the harness's), if any."""
+    for _, frames in _threads(text):
+        found = importing([(f.path, f.line, f.func) for f in frames])
+        if found is not None:
+            return found
+    return None
+
+
+def _importing_lines(obs: Observation) -> tuple[list[str], set[int]]:
+    """One line per import the ranks still running were in at the deadline, and those ranks."""
+    by_import: dict[Importing, list[int]] = {}
+    for rank in sorted(obs.stragglers):
+        found = importing_in(obs.stacks.get(rank, ""))
+        if found is not None:
+            by_import.setdefault(found, []).append(rank)
+    lines = []
+    for found, ranks in by_import.items():
+        who = ranks_phrase(ranks, obs.where)
+        now = f", now in {found.now}" if found.now != found.module else ""
+        at = f" (imported at {short_place(found.at)})" if found.at else ""
+        extra = f", and {obs.import_wait:g} s more for imports" if obs.import_wait else ""
+        lines.append(
+            f"{who} {'is' if len(ranks) == 1 else 'are'} still importing {found.module}{now}"
+            f"{at} after the test's {obs.timeout:g} s{extra}: not a hang, a module's first "
+            "import on a busy machine. The next ranks start with it imported (the fork server "
+            "preloads what ranks imported); give the first test that needs it a longer timeout "
+            "(@pytest.mark.distributed(timeout=...)) or raise --dist-timeout."
+        )
+    return lines, {r for ranks in by_import.values() for r in ranks}
 
 
 def stack_sources(text: str) -> dict[str, str]:
@@ -186,12 +221,15 @@ def _finished_phrase(result: RankResult) -> str:
     return f"finished the test ({result.outcome.value})"
 
 
-def _holdups(obs: Observation) -> list[str]:
+def _holdups(obs: Observation, skip: set[int] | frozenset[int] = frozenset()) -> list[str]:
     """The ranks that hold the others up, grouped: those still running that never entered the
-    collective their peers wait in ("hang"), and those that ended their test without it."""
+    collective their peers wait in ("hang"), and those that ended their test without it. Ranks
+    in ``skip`` (still importing) are said to be elsewhere."""
     where = obs.where
     keys: dict[int, tuple[str, str, tuple[int, ...]]] = {}
     for rank, (what, waiters) in never_entered(obs.records).items():
+        if rank in skip:
+            continue
         result = obs.results.get(rank)
         state = _finished_phrase(result) if result is not None else "hangs"
         keys[rank] = (state, what, tuple(waiters))
@@ -243,7 +281,8 @@ def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
         if obs.deadlock or any("no matching" in line for line in p2p):
             parts.append(f"  {P2P_ADVICE}")
     blocked = [r for r, es in obs.records.items() if blocking_entry(es) is not None]
-    if hung and not blocked and not obs.deadlock:
+    importing = any(importing_in(obs.stacks.get(r, "")) for r in obs.stragglers)
+    if hung and not blocked and not obs.deadlock and not importing:
         parts.append(
             "\nno rank is inside a recorded call (collective or point-to-point): the hang is "
             "in user code"
@@ -282,7 +321,9 @@ def timeout_report(obs: Observation) -> str:
             f"timed out after {obs.timeout:g} s: {ranks_phrase(running, where)} "
             f"still running (of world size {obs.world_size})"
         ]
-        parts.extend(_holdups(obs))
+        imports, importing_ranks = _importing_lines(obs)
+        parts.extend(imports)
+        parts.extend(_holdups(obs, skip=importing_ranks))
     for rank, faults in sorted(injected_faults(obs.records).items()):
         for fault in faults:
             if fault["fault"] == "hang":

@@ -28,6 +28,8 @@ class Observation:
     channels: dict[int, dict[str, int] | None] = dataclasses.field(default_factory=dict)
     """Each rank's message counts per point-to-point channel (None: unknown), which its log's
     ring may have lost (see [Note: collective log])."""
+    import_wait: float = 0.0
+    """Seconds the test's deadline was extended because ranks were importing."""
     deadlock: list[str] = dataclasses.field(default_factory=list)
     """The wait cycle that ended the test before its timeout (``deadlock.py``), in words; empty
     when none did."""

@@ -212,13 +212,21 @@ def threads():
 preload()
 before = threads()
 beats = []  # a job's slot beats while it preloads
-extra = ["torch.testing._internal.common_utils", "json.tool", "torch.not_a_module"]
+extra = [
+    "torch.testing._internal.common_utils",
+    "json.tool",
+    "torch.not_a_module",
+    "torch.utils.cpp_extension",  # asks CUDA for devices on import: never before a fork
+]
 preload_modules([*json.loads(sys.argv[1]), *extra], beat=lambda: beats.append(threads()))
 assert beats and min(beats) == before + 1, beats  # called from one thread of its own
 preload_modules(["torch.not_a_module"])  # not tried again: it says so once
 assert "torch.distributed.tensor" in sys.modules and "torch._dynamo" in sys.modules
 assert "fsdp_core" in sys.modules
 assert "torch.testing._internal.common_utils" not in sys.modules and "json.tool" not in sys.modules
+assert "torch.utils.cpp_extension" not in sys.modules
+import torch
+assert not torch.cuda.is_initialized()  # a rank forked now can use CUDA
 # join() returns once the beat's Python code is done; its OS thread exits a moment later
 # (a fork copies only the calling thread either way), so give /proc a second to see it gone.
 deadline = time.monotonic() + 1.0
