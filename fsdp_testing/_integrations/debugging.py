@@ -180,6 +180,11 @@ def _debug_in_a_copy(exc: BaseException, rank: int, folder: str) -> None:
         return
     pid = os.fork()
     if pid:
+        # Out of the rank's process group before this rank reports its failure: the child's
+        # own setpgid may come later, on a busy machine after the pool killed the rank's group
+        # (the copy died with it, and pytest's post-mortem opened on the parent instead).
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)
         tty.close()
         with open(os.path.join(folder, f"{pid}.pid"), "w") as f:
             f.write(str(rank))

@@ -186,8 +186,11 @@ class _Calls:
         self.checked = False
         self.error: str | None = None
 
-    def arrive(self, me: int, call: str) -> None:
-        """Wait until every rank of the group issued its call; raise if the calls differ."""
+    def arrive(self, me: int, call: str, *, will_raise: bool = False) -> None:
+        """Wait until every rank of the group issued its call; raise if the calls differ.
+        ``will_raise``: this rank raises an error of its own next, so it does not take the turn
+        back (a peer that raised first may have stopped the turns: the rank would be reported
+        aborted instead of its error, depending on which rank was faster)."""
         with self.cond:
             self.calls[me] = call
             if len(self.calls) == self.size:
@@ -206,7 +209,7 @@ class _Calls:
                     self.cond.wait(_POLL_S)
             # A rank whose call raises reports at once, not after its peers' turns: the
             # launcher gives the peers of a failed rank one second (FAILURE_GRACE_S).
-            if turns is not None and self.error is None:
+            if turns is not None and self.error is None and not will_raise:
                 turns.take()
         if self.error is not None:
             raise RuntimeError(f"[rank {me}] mode='thread': {self.error}")
@@ -224,8 +227,11 @@ class _Arrival:
 
     def join(self, group_rank: int, data: Any) -> Any:
         call = _describe(self._op, data)
-        self._calls.arrive(self._me, call)
-        if type(self._op).__name__ == "AllGather":
+        # Checked before the arrival, so that the error is the rank's whatever its peers do.
+        gathered = type(self._op).__name__ == "AllGather"
+        wrong = gathered and bool(_gather_outputs_that_differ(data))
+        self._calls.arrive(self._me, call, will_raise=wrong)
+        if gathered:
             _validate_gathered(data, self._me, call)
         with thread_turns.waiting():
             try:
