@@ -31,13 +31,27 @@ class RecordAssertions(RecordLog):
         return [e if isinstance(e, str) else self._names.module(e) for e in expected]
 
     def assert_count(
-        self, op: str, expected: int, *, step: int | None = None, unit: str | None = None
+        self,
+        op: str,
+        expected: int,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+        phase: str | None = None,
+        mesh_dim: str | None = None,
     ) -> None:
-        """Asserts that collective ``op`` ran ``expected`` times (see :meth:`count`)."""
-        actual = self.count(op, step=step, unit=unit)
+        """Asserts that ``op`` ran ``expected`` times (see :meth:`count`), optionally in one
+        ``phase`` (forward, backward, optimizer, outside) or over one ``mesh_dim``."""
+        actual = self.count(op, step=step, unit=unit, phase=phase, mesh_dim=mesh_dim)
         if actual != expected:
-            seen = Counter(r.op for r in self.collectives(step=step, unit=unit))
+            seen = Counter(
+                r.op for r in self.collectives(step=step, unit=unit, phase=phase, mesh_dim=mesh_dim)
+            )
             where = _where(step, unit)
+            if phase is not None:
+                where += f" in the {phase} phase"
+            if mesh_dim is not None:
+                where += f" over mesh dim {mesh_dim!r}"
             raise self._fail(
                 f"expected {expected} {op} collective(s){where}, recorded {actual}; all "
                 f"collectives{where}: {dict(seen) or 'none'}"

@@ -19,6 +19,7 @@ import torch.nn as nn
 from .._rank import comm_observer
 from ..engines import FSDPEngine, clean_param_name
 from ..patching import patched
+from ._phases import MeshDims, PhaseTracker
 from ._probes import UnitNames
 from ._records import (
     CollectiveRecord,
@@ -75,7 +76,9 @@ class Capture(comm_observer.Listener):
         self._probe = engine.probe()
         self._spans: list[_Span] = []
         self._pending: Any = None  # the last fsdp_core Collective event, until its call runs
-        self._starts: dict[int, float] = {}  # id(call) -> when it started
+        self._starts: dict[int, tuple[float, str]] = {}  # id(call) -> when it started, phase
+        self.phases = PhaseTracker()
+        self.mesh = MeshDims(None)
         self.muted = False
         """While True, calls are not recorded (the recorder's own barriers)."""
         self._issued: dict[int, int] = {}  # id(call) -> index of its record, until it completes
@@ -98,6 +101,7 @@ class Capture(comm_observer.Listener):
             comm_observer.install(None)  # a process group class the test defined since
         comm_observer.add_listener(self)
         stack.callback(comm_observer.remove_listener, self)
+        self.phases.install(stack)
         for kind in ("unshard", "reshard", "post_backward"):
             target = self._engine.patch_target(kind)
             nexts[kind] = stack.enter_context(
@@ -151,12 +155,13 @@ class Capture(comm_observer.Listener):
 
     def started(self, call: comm_observer.CommCall) -> None:
         if call.rank == self._rank and not self.muted:
-            self._starts[id(call)] = now_us()
+            self._starts[id(call)] = (now_us(), self.phases.phase())
 
     def ended(self, call: comm_observer.CommCall, state: str) -> None:
-        start = self._starts.get(id(call))
-        if start is None:
+        started = self._starts.get(id(call))
+        if started is None:
             return  # another rank's call, or one started before the block
+        start, phase = started
         end = now_us()
         index = self._issued.pop(id(call), None)
         if index is not None:  # an async call issued earlier completed now
@@ -167,14 +172,15 @@ class Capture(comm_observer.Listener):
         if state == "issued" and call.blocking:
             return  # the rank waits on it next: recorded once it completed
         if state == "issued":
-            self._issued[id(call)] = self._record(call, start, end, completed=False)
+            self._issued[id(call)] = self._record(call, start, end, phase, completed=False)
         else:
             del self._starts[id(call)]
-            self._record(call, start, end, completed=state == "completed")
+            self._record(call, start, end, phase, completed=state == "completed")
 
     def _record(
-        self, call: comm_observer.CommCall, start: float, end: float, completed: bool
+        self, call: comm_observer.CommCall, start: float, end: float, phase: str, completed: bool
     ) -> int:
+        mesh_dims = self.mesh.of(call.group_ranks)
         if call.p2p:
             tensor = call.outputs[0] if call.outputs else None
             return self._add(
@@ -191,6 +197,8 @@ class Capture(comm_observer.Listener):
                 group_ranks=call.group_ranks,
                 batch=call.batch,
                 completed_us=end if completed else None,
+                phase=phase,
+                mesh_dims=mesh_dims,
                 ts_us=start,
                 dur_us=end - start,
             )
@@ -206,6 +214,8 @@ class Capture(comm_observer.Listener):
             async_op=not call.blocking,
             reduce_op=call.reduce_op,
             root=call.root,
+            phase=phase,
+            mesh_dims=mesh_dims,
             ts_us=start,
             dur_us=end - start,
         )

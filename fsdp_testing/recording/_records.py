@@ -64,6 +64,11 @@ class CollectiveRecord(Record):
     """Reductions: the reduce op (``"SUM"``, ``"AVG"``, ``"MAX"``, ...); None otherwise."""
     root: int | None = None
     """broadcast, reduce, gather, scatter: the root's global rank."""
+    phase: str = "outside"
+    """forward, backward, optimizer or outside (see [Note: the phase of a call])."""
+    mesh_dims: tuple[str, ...] = ()
+    """The dims of the recorder's device mesh its group spans (``()``: no mesh, or another
+    group)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +91,8 @@ class P2PRecord(Record):
     group_ranks: tuple[int, ...] = ()
     batch: str | None = None
     completed_us: float | None = None
+    phase: str = "outside"
+    mesh_dims: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,15 +181,24 @@ class RecordLog:
         ]
 
     def collectives(
-        self, op: str | None = None, *, step: int | None = None, unit: str | None = None
+        self,
+        op: str | None = None,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+        phase: str | None = None,
+        mesh_dim: str | None = None,
     ) -> list[CollectiveRecord]:
         """Collective records; ``op`` is a torch name (``"all_gather_single"``) or a family
-        that covers both spellings (``"all_gather"``, ``"reduce_scatter"``)."""
+        that covers both spellings (``"all_gather"``, ``"reduce_scatter"``); ``phase``: only
+        those of one phase; ``mesh_dim``: only those over a group spanning that mesh dim."""
         names = _op_names(op)
         return [
             r
             for r in self.select(CollectiveRecord, step=step, unit=unit)
-            if names is None or r.op in names
+            if (names is None or r.op in names)
+            and (phase is None or r.phase == phase)
+            and (mesh_dim is None or mesh_dim in r.mesh_dims)
         ]
 
     def bytes_by_group(
@@ -195,13 +211,21 @@ class RecordLog:
             out[record.group_ranks] = out.get(record.group_ranks, 0) + record.bytes
         return out
 
-    def count(self, op: str, *, step: int | None = None, unit: str | None = None) -> int:
+    def count(
+        self,
+        op: str,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+        phase: str | None = None,
+        mesh_dim: str | None = None,
+    ) -> int:
         """Number of calls of ``op``: a collective (a name or a family, see
         :meth:`collectives`), or a point-to-point op (``"send"``, ``"recv"`` count every
         spelling; ``"isend"``, ``"irecv"`` only their own)."""
         if op in ("send", "recv", "isend", "irecv"):
-            return len(self.p2p(op, step=step))
-        return len(self.collectives(op, step=step, unit=unit))
+            return len([r for r in self.p2p(op, step=step) if phase is None or r.phase == phase])
+        return len(self.collectives(op, step=step, unit=unit, phase=phase, mesh_dim=mesh_dim))
 
     def p2p(
         self, op: str | None = None, *, peer: int | None = None, step: int | None = None

@@ -324,3 +324,53 @@ def test_recording_keeps_torch_distributed_functions_as_they_are(rank):
         assert all(getattr(dist, n) is f for n, f in functions.items())
         assert dist.isend is c10d.isend
         _exchange(rank)
+
+
+class _AllReduceInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+
+@pytest.mark.distributed(world_size=4)
+def test_records_name_the_phase_and_the_mesh_dims(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    linear = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(linear.parameters(), lr=0.1)
+
+    def reduce_over_dp(grad: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(grad, group=mesh.get_group("dp"))
+        return grad
+
+    linear.weight.register_hook(reduce_over_dp)
+    with record_comms(mesh=mesh) as rec:
+        x = _AllReduceInForward()(torch.ones(2, 4))
+        linear(x).sum().backward()
+        optimizer.step()
+        dist.broadcast(torch.ones(1), group=mesh.get_group("tp"), group_src=0)
+    assert [(r.op, r.phase, r.mesh_dims) for r in rec.collectives()] == [
+        ("all_reduce", "forward", ("dp", "tp")),
+        ("all_reduce", "backward", ("dp",)),
+        ("broadcast", "outside", ("tp",)),
+    ]
+    rec.assert_count("all_reduce", 1, phase="backward", mesh_dim="dp")
+    with pytest.raises(AssertionError, match=r"in the forward phase over mesh dim 'tp'"):
+        rec.assert_count("all_reduce", 2, phase="forward", mesh_dim="tp")
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_dtensor_redistributions_are_counted_on_request(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    with record_comms(dtensor=True) as rec:
+        sharded.redistribute(mesh, [Replicate()])
+    rec.assert_dtensor_comms({"all_gather_into_tensor": 1})
+    with pytest.raises(AssertionError, match=r"expected DTensor collectives \{'all_reduce': 1\}"):
+        rec.assert_dtensor_comms({"all_reduce": 1})
+    with record_comms() as plain, pytest.raises(ValueError, match="dtensor=True"):
+        plain.dtensor_comms()
