@@ -44,6 +44,7 @@ from ._lockstep import (
     check_fsdp_parity,
     raise_on_divergence,
 )
+from ._mesh import layout_from_plan
 from ._mixin import FSDPParityMixin
 from ._reference import MixedPrecisionReference, find_test_model, reference_body
 from ._resume import ResumeReport, check_resume_parity
@@ -88,6 +89,7 @@ __all__ = [
     "format_causes",
     "format_divergences",
     "get_full_params",
+    "layout_from_plan",
     "mean_square_loss",
     "raise_on_divergence",
     "reference_body",

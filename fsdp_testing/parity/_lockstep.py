@@ -259,6 +259,7 @@ def _agree_on_failure(
     group: dist.ProcessGroup,
     where: str,
     causes: Callable[[], Sequence[Cause]] | None = None,
+    details: Callable[[], Sequence[str]] | None = None,
 ) -> None:
     # See [Note: lockstep parity]
     verdicts: list[str | None] = [None] * dist.get_world_size(group)
@@ -266,7 +267,11 @@ def _agree_on_failure(
     failed = [r for r, verdict in enumerate(verdicts) if verdict is not None]
     if not failed:
         return
-    section = f"\n{_causes_section(causes)}" if causes is not None else ""
+    section = ""
+    if details is not None:  # a collective, like causes: every rank runs it
+        lines = list(details())
+        section += "".join(f"\n{line}" for line in lines)
+    section += f"\n{_causes_section(causes)}" if causes is not None else ""
     if local is not None:
         raise _fail(local + section)
     raise _fail(
@@ -283,6 +288,7 @@ def raise_on_divergence(
     group: dist.ProcessGroup,
     subject: str = "sharded",
     causes: Callable[[], Sequence[Cause]] | None = None,
+    details: Callable[[], Sequence[str]] | None = None,
 ) -> None:
     """Raises ``AssertionError`` on every rank of ``group`` if ``report`` (this rank's step)
     or any other rank's diverged, naming the step, both losses and each diverging tensor (see
@@ -298,6 +304,8 @@ def raise_on_divergence(
         causes: called on every rank when some rank diverged (a collective, e.g.
             ``lambda: lockstep.explain(report, group=group)``); its causes are added to the
             report as its "likely cause" section (default None: no section).
+        details: called on every rank when some rank diverged (a collective); its lines go
+            under the diverging tensors (default None: none).
     """
     local = None
     if report.divergences:
@@ -307,7 +315,7 @@ def raise_on_divergence(
             f"{subject} {report.loss.item():.6g}); diverging tensors:\n"
             f"{format_divergences(report.divergences)}"
         )
-    _agree_on_failure(local, group, where, causes)
+    _agree_on_failure(local, group, where, causes, details)
 
 
 def check_fsdp_parity(

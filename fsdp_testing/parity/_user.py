@@ -26,7 +26,7 @@ larger worlds the summation order differs and [Note: parity rule]'s ``FP32_TOLER
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from ..engines._base import default_process_group
 from ..models._base import resolve_device
 from ._compare import FP32_TOLERANCE, ParityRule, Tolerance, compare_named, format_divergences
 from ._lockstep import Lockstep, StepReport, raise_on_divergence
+from ._mesh import MeshLayout, full_state_of, shard_lines
 from ._reference import build_reference
 from ._training import TrainingLoop
 
@@ -153,6 +154,9 @@ def check_parity(
     exact: bool = False,
     tolerance: Tolerance = FP32_TOLERANCE,
     seed: int = 0,
+    mesh: Any = None,
+    dp_dims: str | int | Sequence[str | int] | None = None,
+    layout: Mapping[str, int] | None = None,
 ) -> tuple[StepReport, ...]:
     """Trains a user's own sharded or data parallel code and a reference in lockstep on the
     same batches, compares the loss and every full parameter after every optimizer step, and
@@ -167,7 +171,8 @@ def check_parity(
         wrap: ``wrap(module, process_group)``, the user's wrapping, returning what is trained:
             called like the module (by ``loss_fn``). None: the module itself is trained
             (then ``step_fn`` does the distributed part).
-        get_batch: ``get_batch(i, rank)``, the batch of ``rank`` for the ``i``-th forward
+        get_batch: ``get_batch(i, rank)``, the batch of ``rank`` (with ``mesh``: of the
+            data-parallel rank, see [Note: model-parallel parity]) for the ``i``-th forward
             (0-based; with ``accum_steps`` forwards per optimizer step, step ``s`` uses ``i =
             s * accum_steps ... (s + 1) * accum_steps - 1``), of any structure (a tensor, a
             tuple, a dict, nested); its tensors are moved to ``device``. Must return the same
@@ -199,6 +204,12 @@ def check_parity(
         exact: demand bitwise equality (default False: ``tolerance``).
         tolerance: ``(rtol, atol)`` for losses and parameters (default ``FP32_TOLERANCE``).
         seed: the seed of both builds (default 0).
+        mesh: the ``DeviceMesh`` model-parallel code runs on (default None: data parallel
+            code over ``process_group``). See [Note: model-parallel parity].
+        dp_dims: the mesh dims that split the batch (names or indices; default none: every
+            rank trains on the same batch, the reference on it alone).
+        layout: for plain parameters split across the other dims (not DTensors): name -> the
+            dim they are split on (see :func:`layout_from_plan`); DTensor parameters need none.
 
     Returns:
         one :class:`StepReport` per step (this rank's losses and differences).
@@ -220,6 +231,18 @@ def check_parity(
     group = process_group if process_group is not None else default_process_group()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     target = resolve_device(device)
+    if mesh is None and (dp_dims is not None or layout is not None):
+        raise ValueError(
+            f"{_API}: dp_dims and layout describe a device mesh; pass mesh=<the DeviceMesh the "
+            "code runs on> as well"
+        )
+    place = MeshLayout(mesh, dp_dims, layout) if mesh is not None else None
+    # See [Note: model-parallel parity]: the batch follows the data-parallel coordinate.
+    data_rank = place.dp_rank if place is not None else rank
+    data_world = place.dp_world if place is not None else world
+    ref_group = group if place is None else place.dp_group()
+    if ref_group is None:
+        reference = "local"  # one replica on every rank: nothing to run DDP over
 
     plain = _build(build_model, seed).to(target)
     under_test = _build(build_model, seed).to(target)
@@ -249,7 +272,7 @@ def check_parity(
         module = wrapped
 
         def named_like_model(_: Any) -> dict[str, torch.Tensor]:
-            return {_match_name(n, ref_names): p for n, p in module.named_parameters()}
+            return full_state_of(module, place, lambda n: _match_name(n, ref_names))
 
         state = named_like_model
     else:
@@ -265,7 +288,7 @@ def check_parity(
         )
     under_test_loop = TrainingLoop(
         wrapped,
-        batches=lambda i: on_device(get_batch(i, rank)),
+        batches=lambda i: on_device(get_batch(i, data_rank)),
         loss_fn=loss_fn,
         step_fn=step_fn,
         optimizer=optimizer,
@@ -274,10 +297,11 @@ def check_parity(
         device=target,
     )
     if reference == "ddp":
-        ddp, _ = build_reference(plain, process_group=group, device=target)
+        assert ref_group is not None  # a mesh with no data-parallel dim trains "local"
+        ddp, _ = build_reference(plain, process_group=ref_group, device=target)
         reference_loop = TrainingLoop(
             ddp,
-            batches=lambda i: on_device(get_batch(i, rank)),
+            batches=lambda i: on_device(get_batch(i, data_rank)),
             loss_fn=loss_fn,
             optimizer=make_optimizer(ddp.parameters()),
             accum_steps=accum_steps,
@@ -292,18 +316,18 @@ def check_parity(
             total = losses[0]
             for loss in losses[1:]:
                 total = total + loss
-            (total / (world * accum_steps)).backward()
-            return losses[rank]
+            (total / (data_world * accum_steps)).backward()
+            return losses[data_rank]
 
         reference_loop = TrainingLoop(
             plain,
-            batches=lambda i: [on_device(get_batch(i, r)) for r in range(world)],
+            batches=lambda i: [on_device(get_batch(i, r)) for r in range(data_world)],
             step_fn=every_rank,
             optimizer=make_optimizer(plain.parameters()),
             accum_steps=accum_steps,
             device=target,
         )
-        reference_name = f"local: one process, the batches of all {world} ranks"
+        reference_name = f"local: one process, the batches of all {data_world} ranks"
     _validate_names(
         reference_loop.named_full_params(),
         under_test_loop.named_full_params(),
@@ -323,6 +347,17 @@ def check_parity(
             group=group,
             subject="wrapped",
             causes=functools.partial(lockstep.explain, report, group=group),
+            details=None
+            if place is None or not isinstance(wrapped, nn.Module)
+            else functools.partial(
+                shard_lines,
+                wrapped,
+                place,
+                lambda n: _match_name(n, ref_names),
+                dict(reference_loop.named_full_params()),
+                [d.name for d in report.divergences],
+                tolerance,
+            ),
         )
         reports.append(report)
     return tuple(reports)
