@@ -228,14 +228,14 @@ def check_parity(
         raise ValueError(
             f"{_API}: num_steps={num_steps} and accum_steps={accum_steps} must be at least 1"
         )
-    group = process_group if process_group is not None else default_process_group()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    target = resolve_device(device)
     if mesh is None and (dp_dims is not None or layout is not None):
         raise ValueError(
             f"{_API}: dp_dims and layout describe a device mesh; pass mesh=<the DeviceMesh the "
             "code runs on> as well"
         )
+    group = process_group if process_group is not None else default_process_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    target = resolve_device(device)
     place = MeshLayout(mesh, dp_dims, layout) if mesh is not None else None
     # See [Note: model-parallel parity]: the batch follows the data-parallel coordinate.
     data_rank = place.dp_rank if place is not None else rank
