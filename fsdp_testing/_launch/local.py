@@ -15,7 +15,7 @@ import os
 from fsdp_testing._launch.baton import Baton
 from fsdp_testing._launch.threads import run_rank_threads
 from fsdp_testing._protocol import Outcome, RankResult, Task
-from fsdp_testing._report import collective_log, failure
+from fsdp_testing._report import collective_log
 from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.p2p import describe_p2p
 
@@ -68,8 +68,6 @@ class LocalLauncher:
         mtpg._install_threaded_pg()  # per-thread c10d state; autograd runs on the rank's thread
 
         def enter(rank: int) -> None:
-            # See [Note: formatting a failure in the parent] in ``_report/failure.py``.
-            failure.format_in_parent()
             baton.enter(rank)
 
         def leave(rank: int, result: RankResult) -> None:

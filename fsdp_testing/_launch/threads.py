@@ -22,7 +22,7 @@ from fsdp_testing._rank.capture import install_router
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._rank.run_task import run_task
 from fsdp_testing._rank.state_reset import RankState
-from fsdp_testing._report import collective_log
+from fsdp_testing._report import collective_log, failure
 from fsdp_testing._report.observation import Observation
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ def run_rank_threads(
 
     def body(rank: int) -> None:
         local.recorder = recorders[rank]
+        # The parent formats the ranks' tracebacks once the test is over: a rank formatting
+        # its own on a busy machine outlived its failed peer's grace and was reported
+        # "aborted" instead of failing. See [Note: formatting a failure in the parent].
+        failure.format_in_parent()
         result: RankResult
         try:
             if enter is not None:
