@@ -92,21 +92,21 @@ def test_thread_ranks_share_one_collector_and_restore_it_once() -> None:
     found: list[int] = []
 
     def rank(leaks: bool) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with check_leaked_tensors() as leaked:
-                inside.wait()
-                assert gc.get_debug() & gc.DEBUG_SAVEALL
-                if leaks:
-                    _leak(torch.ones(2))
-                inside.wait()
-            found.append(len(leaked))
+        with check_leaked_tensors() as leaked:
+            inside.wait()
+            assert gc.get_debug() & gc.DEBUG_SAVEALL
+            if leaks:
+                _leak(torch.ones(2))
+            inside.wait()
+        found.append(len(leaked))
 
     threads = [threading.Thread(target=rank, args=(leaks,)) for leaks in (True, False)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with warnings.catch_warnings():  # here, not in the threads: the filters are process-wide
+        warnings.simplefilter("ignore")
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     assert sorted(found) == [0, 1]  # one rank's block found it, none twice
     assert gc.get_debug() == before_debug and gc.garbage == before
 
