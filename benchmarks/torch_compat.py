@@ -12,7 +12,9 @@ wheel, get them from the torch source tree or repository at that release's tag),
 3. runs the original file with torch's own harness (pytest with our plugin disabled);
 
 and prints, per file and harness: passed, failed, skipped (with the reasons, most frequent
-first), collection errors and wall time. ``--json PATH`` writes the same as JSON.
+first), collection errors and wall time. The other files under DIRECTORY (modules the tests
+import from their own folder, data files they read beside them) are copied next to the test
+files for both harnesses, ported like them for ours. ``--json PATH`` writes the same as JSON.
 
 ``--bare FILE::CLASS::METHOD`` tells a harness failure from a body's own: it runs one method of
 the original (unported) file on ``--world-size`` CPU processes that share a plain gloo group, with
@@ -198,6 +200,32 @@ def _read_junit(path: Path, result: FileResult) -> None:
     result.skip_reasons = dict(reasons.most_common())
 
 
+def is_test_file(path: Path) -> bool:
+    """Whether ``path`` is one of the test files the script runs (``test_*.py``)."""
+    return path.name.startswith("test_") and path.suffix == ".py"
+
+
+def copy_helpers(root: Path, target: Path, *, port: bool, engine: str | None = None) -> list[Path]:
+    """Copy everything under ``root`` but its test files to ``target``, keeping the layout:
+    the modules the tests import from their own folder (torch's pipelining tests import
+    ``model_registry`` and ``schedule_registry``) and the data files they read beside them
+    (``artifacts/*.csv``). With ``port`` (our harness) Python modules are ported as the test
+    files are, for ``engine``; other files are copied as they are. Returns the paths written."""
+    written = []
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if path.is_dir() or is_test_file(path) or "__pycache__" in relative.parts:
+            continue
+        destination = target / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        if port and path.suffix == ".py":
+            destination.write_text(port_source(path.read_text(), engine=engine))
+        else:
+            shutil.copyfile(path, destination)
+        written.append(destination)
+    return written
+
+
 def run_file(
     source: Path, root: Path, harness: str, args: argparse.Namespace, workdir: Path
 ) -> FileResult:
@@ -379,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.directory.resolve()
     if not root.is_dir():
         parser.error(f"{root} is not a directory of torch test files")
-    files = sorted(root.rglob("test_*.py"))
+    files = sorted(path for path in root.rglob("test_*.py") if is_test_file(path))
     if not files:
         parser.error(f"no test_*.py files under {root}")
     harnesses = ("ours", "torch") if args.harness == "both" else (args.harness,)
@@ -389,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'file':<48} {'harness':<6} {'passed':>6} {'failed':>6} {'skipped':>7} "
         f"{'errors':>6} {'wall s':>8}  skip reasons"
     )
+    for harness in harnesses:
+        copy_helpers(root, workdir / harness, port=harness == "ours", engine=args.engine)
     try:
         for source in files:
             for harness in harnesses:

@@ -2,7 +2,7 @@
 without torch's dev-only dependencies (``expecttest``): the tensor-aware ``TestCase``,
 ``parametrize``/``subtest``/``instantiate_parametrized_tests`` (torch's test names), the
 environment flags, the skip decorators (torch 2.15's hardware and CI gates too) and small helpers
-(see docs/compatibility.md)."""
+(``check_leaked_tensors`` among them; see docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from fsdp_testing._compat.env import (
     FILE_SCHEMA,
     IS_SANDCASTLE,
     SEED,
+    TEST_ACCELERATOR,
     TEST_CUDA,
     TEST_HPU,
+    TEST_MULTIACCELERATOR,
     TEST_WITH_ASAN,
     TEST_WITH_DEV_DBG_ASAN,
     TEST_WITH_PERIODIC,
@@ -31,6 +33,7 @@ from fsdp_testing._compat.gates import (
     requires_accelerator,
     requires_multigpu,
 )
+from fsdp_testing._compat.leaks import check_leaked_tensors
 from fsdp_testing._compat.parametrize import (
     ADDRESS_IN_USE,
     CONNECT_TIMEOUT,
@@ -59,8 +62,10 @@ __all__ = [
     "IS_SANDCASTLE",
     "IS_WINDOWS",
     "SEED",
+    "TEST_ACCELERATOR",
     "TEST_CUDA",
     "TEST_HPU",
+    "TEST_MULTIACCELERATOR",
     "TEST_MULTIGPU",
     "TEST_WITH_ASAN",
     "TEST_WITH_DEV_DBG_ASAN",
@@ -71,6 +76,7 @@ __all__ = [
     "HardwareClassification",
     "LazyVal",
     "TestCase",
+    "check_leaked_tensors",
     "find_free_port",
     "get_cycles_per_ms",
     "instantiate_parametrized_tests",

@@ -347,9 +347,10 @@ class _DistributedTestCase(TestCase):
             raise unittest.SkipTest(str(exc)) from None
         if choice.note:
             sys.stdout.write(f"{self.id()}: {choice.note}\n")
-        fd, file_name = tempfile.mkstemp(prefix="fsdp-testing-store-")
-        os.close(fd)
-        os.unlink(file_name)
+        # The parent's rendezvous file when setUp made one (MultiProcessTestCase), so the parent
+        # and the ranks name the same file; else a fresh name, removed after the run.
+        parents = self.__dict__.get("file_name")
+        file_name = parents if isinstance(parents, str) else _fresh_store_file(create=False)
         test_id = self.id()
         if spec.mode is Mode.PROCESS:
             module = sys.modules[type(self).__module__]
@@ -383,7 +384,7 @@ class _DistributedTestCase(TestCase):
                     failed = verdict.outcome is VerdictOutcome.FAILED
                     (failures if failed else skips).append(f"{played}{verdict.message}")
         finally:
-            if os.path.exists(file_name):
+            if file_name != parents and os.path.exists(file_name):
                 os.unlink(file_name)
         note = f" [{choice.note}]" if choice.note else ""
         if failures:
@@ -430,6 +431,21 @@ class _DistributedTestCase(TestCase):
 
     def perThreadTearDown(self) -> None:
         """Thread and local mode: runs in each rank thread after the method (torch's name)."""
+
+
+def _fresh_store_file(*, create: bool) -> str:
+    """A new file name in the temporary directory for a ``FileStore`` rendezvous; the file
+    exists (empty) when ``create``, as torch's ``setUp`` leaves it."""
+    fd, name = tempfile.mkstemp(prefix="fsdp-testing-store-")
+    os.close(fd)
+    if not create:
+        os.unlink(name)
+    return name
+
+
+def _remove_if_present(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class _CompatibleInitProcessGroup:
@@ -485,6 +501,15 @@ class MultiProcessTestCase(_DistributedTestCase):
     ``self.process_group``, ``self.device``, ``self.file_name``/``self.init_method``."""
 
     _mode = Mode.PROCESS
+
+    def setUp(self) -> None:
+        """As torch's: ``self.file_name`` names an empty file that the ranks see as theirs too
+        (``self.init_method``, a ``FileStore``), so a ``tearDown`` may remove it (torch's tests
+        do: ``os.remove(self.file_name)``). The harness removes it after the test if they do
+        not."""
+        super().setUp()
+        self.file_name = _fresh_store_file(create=True)
+        self.addCleanup(_remove_if_present, self.file_name)
 
 
 class MultiThreadedTestCase(_DistributedTestCase):

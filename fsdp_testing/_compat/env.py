@@ -30,8 +30,10 @@ __all__ = [
     "IS_SANDCASTLE",
     "PLATFORM_SUPPORTS_SYMM_MEM",
     "SEED",
+    "TEST_ACCELERATOR",
     "TEST_CUDA",
     "TEST_HPU",
+    "TEST_MULTIACCELERATOR",
     "TEST_WITH_ASAN",
     "TEST_WITH_DEV_DBG_ASAN",
     "TEST_WITH_PERIODIC",
@@ -179,3 +181,11 @@ def evaluate_platform_supports_symm_mem() -> bool:
 
 
 PLATFORM_SUPPORTS_SYMM_MEM: Any = LazyVal(evaluate_platform_supports_symm_mem)
+
+TEST_ACCELERATOR: Any = LazyVal(torch.accelerator.is_available)
+"""``torch.accelerator`` finds a device (any kind: CUDA, XPU, HPU, MPS, ...); false on a
+CPU-only machine. Computed on first use, as torch's."""
+TEST_MULTIACCELERATOR: Any = LazyVal(lambda: torch.accelerator.device_count() > 1)
+"""``torch.accelerator`` finds at least two devices. torch's meaning on every machine: tests
+that skip on it (``skip_but_pass_in_sandcastle_if(not TEST_MULTIACCELERATOR, ...)``) address a
+second device themselves, so CPU ranks do not stand in for it (see docs/compatibility.md)."""

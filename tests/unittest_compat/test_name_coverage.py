@@ -46,6 +46,10 @@ COMMON_UTILS_NAMES: dict[str, tuple[int, int] | None] = {
     "retry_on_connect_failures": None,
     "FILE_SCHEMA": None,
     "IS_SANDCASTLE": None,
+    # torch's pipelining tests (test/distributed/pipelining/)
+    "TEST_ACCELERATOR": None,
+    "TEST_MULTIACCELERATOR": None,
+    "check_leaked_tensors": None,
     "HardwareClassification": (2, 14),
     "requires_multigpu": (2, 15),
     "requires_accelerator": (2, 15),
