@@ -13,8 +13,9 @@ coordinate over the data-parallel dims (flattened, row-major), never its global 
 ranks of one replica must see the same batch. The full state of the code under test is
 assembled automatically: a DTensor parameter by ``full_tensor()``, a plain one named in
 ``layout`` (the dim it is split on across the model-parallel ranks of its replica, even
-chunks as ``torch.chunk`` cuts) by an all-gather over those ranks, any other as it is
-(replicated).
+chunks as ``torch.chunk`` cuts; or ``(dim, mesh_dim)``: split across the ranks of that one mesh
+dim, e.g. experts across the data-parallel ranks of expert parallelism) by an all-gather over
+those ranks, any other as it is (replicated).
 """
 
 from __future__ import annotations
@@ -60,17 +61,18 @@ class MeshLayout:
     Args:
         mesh: the device mesh the code under test runs on (None: data parallel over the group).
         dp_dims: the mesh dims that split the batch (names or indices; default: none).
-        layout: plain parameters split across the other dims: name -> the dim split.
+        layout: plain parameters split across the other dims: name -> the dim split, or
+            ``(dim, mesh_dim)`` for a parameter split across one mesh dim's ranks.
     """
 
     def __init__(
         self,
         mesh: Any,
         dp_dims: str | int | Iterable[str | int] | None,
-        layout: Mapping[str, int] | None,
+        layout: Mapping[str, int | tuple[int, str | int]] | None,
     ) -> None:
         self.mesh = mesh
-        self.layout = dict(layout or {})
+        self.layout: dict[str, tuple[int, list[int]]] = {}
         names = list(mesh.mesh_dim_names or range(mesh.ndim))
         wanted = [dp_dims] if isinstance(dp_dims, (str, int)) else list(dp_dims or ())
         self.dp = [self._index(d, names) for d in wanted]
@@ -83,9 +85,16 @@ class MeshLayout:
         shape = list(mesh.mesh.shape)
         self.dp_world = _prod(shape[i] for i in self.dp)
         self.dp_rank = _flat(self.coordinate, shape, self.dp)
-        self.mp_world = _prod(shape[i] for i in self.mp)
-        self.mp_rank = _flat(self.coordinate, shape, self.mp)
-        self._mp_group = self._group(self.mp) if self.layout else None
+        self._shape = shape
+        for name, spec in (layout or {}).items():
+            if isinstance(spec, tuple):
+                dim, over = spec
+                self.layout[name] = (int(dim), [self._index(over, names)])
+            else:
+                self.layout[name] = (int(spec), list(self.mp))
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {
+            tuple(dims): self._group(dims) for _, dims in self.layout.values()
+        }
 
     def _index(self, dim: str | int, names: list[Any]) -> int:
         if isinstance(dim, int) and 0 <= dim < len(names):
@@ -124,11 +133,15 @@ class MeshLayout:
 
         if isinstance(param, DTensor):
             return param.full_tensor()
-        dim = self.layout.get(name)
-        if dim is None or self.mp_world == 1:
+        split = self.layout.get(name)
+        if split is None:
             return param
-        pieces = [torch.empty_like(param) for _ in range(self.mp_world)]
-        dist.all_gather(pieces, param.detach().contiguous(), group=self._mp_group)
+        dim, dims = split
+        world = _prod(self._shape[i] for i in dims)
+        if world == 1:
+            return param
+        pieces = [torch.empty_like(param) for _ in range(world)]
+        dist.all_gather(pieces, param.detach().contiguous(), group=self._groups[tuple(dims)])
         return torch.cat(pieces, dim=dim)
 
     def local_of(self, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -140,10 +153,12 @@ class MeshLayout:
                 full.detach(), param.device_mesh, param.placements, src_data_rank=None
             )
             return laid.to_local()
-        dim = self.layout.get(name)
-        if dim is None or self.mp_world == 1:
+        split = self.layout.get(name)
+        if split is None:
             return full
-        return full.chunk(self.mp_world, dim=dim)[self.mp_rank]
+        dim, dims = split
+        world = _prod(self._shape[i] for i in dims)
+        return full.chunk(world, dim=dim)[_flat(self.coordinate, self._shape, dims)]
 
 
 def full_state_of(

@@ -156,7 +156,7 @@ def check_parity(
     seed: int = 0,
     mesh: Any = None,
     dp_dims: str | int | Sequence[str | int] | None = None,
-    layout: Mapping[str, int] | None = None,
+    layout: Mapping[str, int | tuple[int, str | int]] | None = None,
 ) -> tuple[StepReport, ...]:
     """Trains a user's own sharded or data parallel code and a reference in lockstep on the
     same batches, compares the loss and every full parameter after every optimizer step, and
@@ -209,7 +209,9 @@ def check_parity(
         dp_dims: the mesh dims that split the batch (names or indices; default none: every
             rank trains on the same batch, the reference on it alone).
         layout: for plain parameters split across the other dims (not DTensors): name -> the
-            dim they are split on (see :func:`layout_from_plan`); DTensor parameters need none.
+            dim they are split on (see :func:`layout_from_plan`), or ``(dim, mesh_dim)`` for
+            one split across one mesh dim's ranks (experts across expert-parallel ranks);
+            DTensor parameters need none.
 
     Returns:
         one :class:`StepReport` per step (this rank's losses and differences).
