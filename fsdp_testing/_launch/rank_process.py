@@ -8,8 +8,10 @@ the process group once, then serves tasks from the parent until told to stop: se
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
+import functools
 import importlib
 import os
 import pickle
@@ -109,10 +111,69 @@ def preload() -> None:
 
 PRELOADED_PACKAGES = ("torch", "fsdp_core")
 # torch.utils.cpp_extension asks CUDA for its devices when it is imported (torch 2.15's CUDA
-# build): imported by the fork server, it made every rank forked after it fail with "Cannot
-# re-initialize CUDA in forked subprocess" (issue 49; a test checks no preloaded module of the
-# suite's ranks starts CUDA: tests/plugin/test_pool.py).
+# build, with a CUDA toolkit installed): imported by the fork server, it made every rank forked
+# after it fail with "Cannot re-initialize CUDA in forked subprocess" (issue 49). It is never
+# preloaded, and no other module is either if importing it asks CUDA anything: see
+# [Note: no CUDA before a fork].
 NOT_PRELOADED = ("torch.testing._internal", "torch.utils.cpp_extension")
+
+# [Note: no CUDA before a fork]
+# Once a process has asked the CUDA driver anything (``torch.cuda.is_available()`` and
+# ``device_count()`` included, in a CUDA build, on a machine with or without a GPU), torch marks
+# every process forked from it as unable to use CUDA. A module that asks at import time must not
+# be imported by a process that forks ranks. Which modules do depends on the torch version and
+# build, so instead of a list, ``preload_modules`` imports under ``_no_cuda_questions``: the
+# functions of ``torch.cuda`` and ``torch.accelerator`` that reach the driver raise
+# ``_CudaAsked`` meanwhile (a BaseException, so that a module's ``except Exception`` cannot
+# swallow it and go on with a wrong answer cached). The import fails, Python drops the
+# half-imported modules, and the module is left to the ranks, which import it after the fork.
+_CUDA_QUESTIONS = {
+    "torch.cuda": (
+        "is_available",
+        "device_count",
+        "init",
+        "_lazy_init",
+        "is_bf16_supported",
+        "get_device_capability",
+        "get_device_properties",
+        "get_device_name",
+        "current_device",
+        "set_device",
+    ),
+    "torch.accelerator": ("is_available", "device_count", "current_device_index"),
+    "torch._C": ("_cuda_getDeviceCount", "_cuda_init", "_accelerator_getDeviceCount"),
+}
+
+
+class _CudaAsked(BaseException):
+    """Raised by a CUDA question while the forking process preloads modules."""
+
+
+def _no_cuda_questions() -> contextlib.ExitStack:
+    import torch  # preload() has imported it
+
+    refusing = [True]  # a module that bound a refusing function keeps one that works after
+
+    def refusing_copy(original: Callable[..., object], name: str) -> Callable[..., object]:
+        @functools.wraps(original)
+        def refuse(*args: object, **kwargs: object) -> object:
+            if refusing[0]:
+                raise _CudaAsked(f"it calls {name}() when it is imported")
+            return original(*args, **kwargs)
+
+        return refuse
+
+    stack = contextlib.ExitStack()
+    stack.callback(refusing.__setitem__, 0, False)
+    for owner_name, names in _CUDA_QUESTIONS.items():
+        owner = sys.modules.get(owner_name) or getattr(torch, owner_name.split(".")[1], None)
+        for name in names:
+            original = getattr(owner, name, None)
+            if original is None:  # not in this torch, or not in this build
+                continue
+            setattr(owner, name, refusing_copy(original, f"{owner_name}.{name}"))
+            stack.callback(setattr, owner, name, original)
+    return stack
 
 
 def preloadable(name: str) -> bool:
@@ -153,14 +214,21 @@ def preload_modules(names: Iterable[str], *, beat: Callable[[], None] | None = N
         beater = threading.Thread(target=_beat_until, args=(done, beat), daemon=True)
         beater.start()
     try:
-        for name in names:
-            if name in sys.modules:  # imported with an earlier one
-                continue
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # e.g. a module made at run time, with no file to import
-                _FAILED.add(name)  # not tried again
-                print(f"fsdp_testing: not preloaded: {name} ({type(exc).__name__}: {exc})")
+        with _no_cuda_questions():
+            for name in names:
+                if name in sys.modules:  # imported with an earlier one
+                    continue
+                try:
+                    importlib.import_module(name)
+                except _CudaAsked as exc:
+                    _FAILED.add(name)
+                    print(
+                        f"fsdp_testing: not preloaded: {name} ({exc}: a rank forked after it "
+                        "could not use CUDA; the ranks import it themselves)"
+                    )
+                except Exception as exc:  # e.g. a module made at run time, with no file
+                    _FAILED.add(name)  # not tried again
+                    print(f"fsdp_testing: not preloaded: {name} ({type(exc).__name__}: {exc})")
     finally:
         done.set()
         if beater is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import stat
 import tempfile
@@ -260,6 +261,64 @@ def test_ranks_report_what_they_imported_and_preloading_it_starts_no_thread() ->
     assert not [n for n in names if n.startswith("torch.testing._internal")], names
     said = run(_PRELOAD, json.dumps(names))
     assert said.count("not preloaded: torch.not_a_module (ModuleNotFoundError") == 1, said
+
+
+_ASKS_CUDA = """
+import json, sys
+import torch
+from fsdp_testing._launch import rank_process
+
+rank_process.PRELOADED_PACKAGES = (*rank_process.PRELOADED_PACKAGES, "asks_cuda", "binds_cuda")
+is_available = torch.cuda.is_available
+rank_process.preload()
+rank_process.preload_modules(["asks_cuda", "binds_cuda", "torch.distributed.tensor"])
+assert "asks_cuda" not in sys.modules and "asks_cuda.inner" not in sys.modules, sorted(sys.modules)
+assert "binds_cuda" in sys.modules and "torch.distributed.tensor" in sys.modules
+assert torch.cuda.is_available is is_available  # put back
+import binds_cuda
+assert binds_cuda.count() == torch.cuda.device_count()  # what it bound works after preloading
+import asks_cuda  # a rank imports it after the fork, with CUDA as it is
+assert asks_cuda.inner.HAS_CUDA == torch.cuda.is_available()
+print("ok")
+"""
+
+
+def test_a_module_that_asks_cuda_on_import_is_not_preloaded(tmp_path: Path) -> None:
+    """In a CUDA build, asking the driver anything (``torch.cuda.is_available()`` included)
+    leaves every later fork unable to use CUDA, so the process that forks ranks must not import
+    a module that asks at import time (torch 2.15's ``torch.utils.cpp_extension`` did, issue
+    49). Such a module is left to the ranks, even when it catches ``Exception`` around the
+    question (it must not cache a wrong answer); a module that only binds a CUDA function keeps
+    one that works. In a CPU build nothing reaches a driver, but the same modules are refused,
+    so this runs here."""
+    import subprocess
+    import sys
+
+    (tmp_path / "asks_cuda").mkdir()
+    (tmp_path / "asks_cuda" / "__init__.py").write_text("from asks_cuda import inner\n")
+    (tmp_path / "asks_cuda" / "inner.py").write_text(
+        "import torch\n"
+        "try:\n"
+        "    HAS_CUDA = torch.cuda.is_available()\n"
+        "except Exception:\n"
+        "    HAS_CUDA = None\n"
+    )
+    (tmp_path / "binds_cuda.py").write_text(
+        "from torch.cuda import device_count\n\ndef count():\n    return device_count()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _ASKS_CUDA],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    assert (
+        "not preloaded: asks_cuda (it calls torch.cuda.is_available() when it is imported: a "
+        "rank forked after it could not use CUDA" in done.stdout
+    ), done.stdout
 
 
 def test_a_temporary_directory_too_deep_for_a_socket_puts_the_launcher_in_a_short_one(
