@@ -40,6 +40,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from fsdp_testing._rank import comm_observer
     from fsdp_testing._rank.state_reset import RankState
     from fsdp_testing._report import collective_log
     from fsdp_testing.cli._render import make_console, print_table
@@ -49,7 +50,7 @@ def main() -> None:
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
             recorder = collective_log.FlightRecorder(path=os.path.join(tmp, "rank0.flight"))
-            collective_log.install(lambda: recorder)
+            comm_observer.install(lambda: recorder)
             mesh = init_device_mesh("cpu", (1,))
             (distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) * 2).to_local()
             for _ in range(40):

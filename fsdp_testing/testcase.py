@@ -21,7 +21,6 @@ import functools
 import itertools
 import os
 import sys
-import tempfile
 import unittest
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -35,6 +34,11 @@ from fsdp_testing._rank.skips import TEST_SKIPS, TestSkip, multi_device_message
 from fsdp_testing._report.expectation import expectation_of
 from fsdp_testing._report.text import add_note
 from fsdp_testing._unittest.assertions import TestCase
+from fsdp_testing._unittest.process_group import (
+    CompatibleInitProcessGroup,
+    fresh_store_file,
+    remove_if_present,
+)
 from fsdp_testing._unittest.world import (
     WorldChoice,
     choose_world_size,
@@ -350,7 +354,7 @@ class _DistributedTestCase(TestCase):
         # The parent's rendezvous file when setUp made one (MultiProcessTestCase), so the parent
         # and the ranks name the same file; else a fresh name, removed after the run.
         parents = self.__dict__.get("file_name")
-        file_name = parents if isinstance(parents, str) else _fresh_store_file(create=False)
+        file_name = parents if isinstance(parents, str) else fresh_store_file(create=False)
         test_id = self.id()
         if spec.mode is Mode.PROCESS:
             module = sys.modules[type(self).__module__]
@@ -408,7 +412,7 @@ class _DistributedTestCase(TestCase):
         try:
             with (
                 in_test_world(ctx.world_size),
-                _CompatibleInitProcessGroup(ctx),
+                CompatibleInitProcessGroup(ctx),
                 self._rank_method_context(),
             ):
                 getattr(self, method)()
@@ -433,68 +437,6 @@ class _DistributedTestCase(TestCase):
         """Thread and local mode: runs in each rank thread after the method (torch's name)."""
 
 
-def _fresh_store_file(*, create: bool) -> str:
-    """A new file name in the temporary directory for a ``FileStore`` rendezvous; the file
-    exists (empty) when ``create``, as torch's ``setUp`` leaves it."""
-    fd, name = tempfile.mkstemp(prefix="fsdp-testing-store-")
-    os.close(fd)
-    if not create:
-        os.unlink(name)
-    return name
-
-
-def _remove_if_present(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-class _CompatibleInitProcessGroup:
-    """Tests written for torch's ``MultiProcessTestCase`` join the process group themselves
-    (``dist.init_process_group(..., init_method=self.init_method)``) and leave it at the end. On
-    a warm rank the group already exists: joining it again with the same rank and world size is
-    accepted as a no-op and leaving the default group is deferred to the pool."""
-
-    def __init__(self, ctx: RankContext) -> None:
-        self.ctx = ctx
-
-    def __enter__(self) -> None:
-        import torch.distributed as dist
-
-        self._init, self._destroy = dist.init_process_group, dist.destroy_process_group
-        ctx, real_init, real_destroy = self.ctx, self._init, self._destroy
-
-        def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-            if not dist.is_initialized():
-                return real_init(backend, *args, **kwargs)
-            rank, ws = kwargs.get("rank", ctx.rank), kwargs.get("world_size", ctx.world_size)
-            wanted = str(backend).lower() if backend is not None else None
-            if (rank, ws) != (ctx.rank, ctx.world_size) or (
-                wanted is not None
-                and wanted not in ctx.dist_backend
-                and ctx.dist_backend not in wanted
-            ):
-                raise ValueError(
-                    f"init_process_group(backend={backend!r}, rank={rank}, world_size={ws}) on "
-                    f"a rank that already belongs to a {ctx.dist_backend} group of "
-                    f"{ctx.world_size} as rank {ctx.rank}: set the test class's world_size/"
-                    "backend to match instead"
-                )
-
-        def destroy_process_group(group: Any = None) -> None:
-            if group is None or group is dist.GroupMember.WORLD:
-                return
-            real_destroy(group)
-
-        dist.init_process_group = init_process_group
-        dist.destroy_process_group = destroy_process_group
-
-    def __exit__(self, *exc: object) -> None:
-        import torch.distributed as dist
-
-        dist.init_process_group = self._init
-        dist.destroy_process_group = self._destroy
-
-
 class MultiProcessTestCase(_DistributedTestCase):
     """Each ``test_*`` method runs on ``world_size`` rank processes (gloo on CPU, nccl with enough
     GPUs), in the warm pool. Inside a method: ``self.rank``, ``self.world_size``,
@@ -508,8 +450,8 @@ class MultiProcessTestCase(_DistributedTestCase):
         do: ``os.remove(self.file_name)``). The harness removes it after the test if they do
         not."""
         super().setUp()
-        self.file_name = _fresh_store_file(create=True)
-        self.addCleanup(_remove_if_present, self.file_name)
+        self.file_name = fresh_store_file(create=True)
+        self.addCleanup(remove_if_present, self.file_name)
 
 
 class MultiThreadedTestCase(_DistributedTestCase):

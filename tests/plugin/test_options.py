@@ -35,31 +35,31 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     [
         (
             "distributed(2, 4)",
-            "*TypeError: malformed marker distributed(2, 4)*Accepted arguments: distributed(world_size=2, *, backend=None, mode='process', timeout=None, faults=(), rank=None)*",
+            "*malformed marker distributed(2, 4)*Accepted arguments: distributed(world_size=2, *, backend=None, mode='process', timeout=None, faults=(), rank=None)*",
         ),
         (
             "distributed(worldsize=2)",
-            "*TypeError: malformed marker*unexpected keyword argument 'worldsize'*Accepted arguments*",
+            "*malformed marker*unexpected keyword argument 'worldsize'*Accepted arguments*",
         ),
         (
             "distributed(world_size=0)",
-            "*ValueError: distributed marker: world_size must be at least 1, got 0*",
+            "*distributed marker: world_size must be at least 1, got 0*",
         ),
         (
             "distributed(world_size=2, mode='mpi')",
-            "*ValueError: distributed marker: unknown mode 'mpi'; use one of process, thread, fake*",
+            "*distributed marker: unknown mode 'mpi'; use one of process, thread, fake*",
         ),
         (
             "distributed(world_size=2, backend='ucc')",
-            "*ValueError: distributed marker: unknown backend 'ucc'*",
+            "*distributed marker: unknown backend 'ucc'*",
         ),
         (
             "distributed(world_size=2, timeout=-1)",
-            "*ValueError: distributed marker: timeout must be a positive number*",
+            "*distributed marker: timeout must be a positive number*",
         ),
         (
             "distributed(world_size='2')",
-            "*TypeError: distributed marker: world_size must be an int or a list of ints, got '2'*",
+            "*distributed marker: world_size must be an int or a list of ints, got '2'*",
         ),
     ],
 )
