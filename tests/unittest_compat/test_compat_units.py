@@ -3,7 +3,11 @@ of parametrize/subtest, the CPU world-size rule, requirement decorators, keyword
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import unittest
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,6 +175,104 @@ def test_parametrize_reports_mismatched_values() -> None:
 
     with pytest.raises(ValueError, match="case 0 has 3 values for 2 names"):
         instantiate_parametrized_tests(Cases)
+
+
+def test_inherited_generic_parametrized_test_raises_torchs_error() -> None:
+    class Base(TestCase):
+        @parametrize("x", [1, 2])
+        def test_a(self, x: int) -> None:
+            pass
+
+    class Sub(Base):
+        @parametrize("y", [3])
+        def test_b(self, y: int) -> None:
+            pass
+
+    with pytest.raises(AttributeError) as error:
+        instantiate_parametrized_tests(Sub)
+    # torch's words first (its delattr fails on the inherited attribute), then the fix.
+    assert str(error.value).startswith("type object 'Sub' has no attribute 'test_a': ")
+    assert "call instantiate_parametrized_tests(Base)" in str(error.value)
+    assert "test_b" in vars(Sub) and "test_b_y_3" not in vars(Sub)  # nothing was changed
+
+
+def test_inherited_generated_case_raises_torchs_error_and_own_cases_still_work() -> None:
+    @instantiate_parametrized_tests
+    class Base(TestCase):
+        @parametrize("x", [1, 2])
+        def test_a(self, x: int) -> None:
+            assert x in (1, 2)
+
+    class Sub(Base):
+        pass
+
+    with pytest.raises(AttributeError) as error:
+        instantiate_parametrized_tests(Sub)
+    assert str(error.value).startswith("type object 'Sub' has no attribute 'test_a_x_1': ")
+    assert "leave the subclass out of instantiate_parametrized_tests" in str(error.value)
+    # Left out, the subclass runs the cases it inherits.
+    result = unittest.TestResult()
+    unittest.defaultTestLoader.loadTestsFromTestCase(Sub).run(result)
+    assert result.testsRun == 2 and result.wasSuccessful()
+
+
+def test_inherited_parametrized_tests_fail_as_under_torchs_function(tmp_path: Path) -> None:
+    # torch's own instantiate_parametrized_tests, in a child process (importing torch's
+    # common_utils changes global state), on the two inherited cases above: the same type and
+    # the same words as ours.
+    script = tmp_path / "inherited.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, unittest
+
+            if sys.argv[1] == "torch":
+                from torch.testing._internal.common_utils import (
+                    instantiate_parametrized_tests, parametrize)
+            else:
+                from fsdp_testing.common_utils import instantiate_parametrized_tests, parametrize
+
+            class Base(unittest.TestCase):
+                @parametrize("x", [1, 2])
+                def test_a(self, x):
+                    pass
+
+            class Sub(Base):
+                pass
+
+            @instantiate_parametrized_tests
+            class Base2(unittest.TestCase):
+                @parametrize("x", [1, 2])
+                def test_a(self, x):
+                    pass
+
+            class Sub2(Base2):
+                pass
+
+            for cls in (Sub, Sub2):
+                try:
+                    instantiate_parametrized_tests(cls)
+                    print("no error")
+                except Exception as exc:
+                    print(type(exc).__name__, str(exc).split(": ")[0])
+            """
+        )
+    )
+    outputs = {}
+    for which in ("torch", "ours"):
+        proc = subprocess.run(
+            [sys.executable, str(script), which],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        outputs[which] = proc.stdout
+    assert outputs["torch"] == outputs["ours"], outputs
+    assert outputs["ours"].splitlines() == [
+        "AttributeError type object 'Sub' has no attribute 'test_a'",
+        "AttributeError type object 'Sub2' has no attribute 'test_a_x_1'",
+    ]
 
 
 # -- world size ----------------------------------------------------------------------------------
