@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import unittest
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,41 @@ def test_assert_not_equal_on_tensors(case: _Probe) -> None:
     case.assertNotEqual(t, t + 1)
     with pytest.raises(AssertionError):
         case.assertNotEqual(t, t.clone())
+
+
+class _SubclassA(torch.Tensor):
+    # Like LocalTensor and AsyncCollectiveTensor: no __torch_function__ of its own.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _SubclassB(torch.Tensor):
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def test_unrelated_tensor_subclasses_compare_by_value(case: _Probe) -> None:
+    # assert_close refuses a pair of which neither type is the other's (a LocalTensor against
+    # an AsyncCollectiveTensor in torch's DTensor tests); torch's assertEqual compares them.
+    a = torch.arange(3.0).as_subclass(_SubclassA)
+    b = torch.arange(3.0).as_subclass(_SubclassB)
+    case.assertEqual(a, b)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        case.assertEqual(a, (torch.arange(3.0) + 1).as_subclass(_SubclassB))
+
+
+def test_assert_not_warn(case: _Probe) -> None:
+    case.assertNotWarn(lambda: None)
+    with pytest.raises(AssertionError, match=r"quiet please \(warned: UserWarning: loud\)"):
+        case.assertNotWarn(lambda: warnings.warn("loud", stacklevel=1), "quiet please")
+
+
+def test_attempt_load_from_subprocess(case: _Probe, tmp_path: Path) -> None:
+    saved = tmp_path / "t.pt"
+    torch.save(torch.ones(2), saved)
+    case._attempt_load_from_subprocess(saved, "")
+    missing = tmp_path / "missing.pt"
+    case._attempt_load_from_subprocess(missing, "", "No such file or directory")
+    with pytest.raises(AssertionError, match="succeeded; expected it to fail"):
+        case._attempt_load_from_subprocess(saved, "import os;", "No such file")
 
 
 # -- parametrize and subtest ---------------------------------------------------------------------
