@@ -35,6 +35,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from fsdp_testing._launch.spec import Mode
 from fsdp_testing._rank.skips import multi_device_message
 from fsdp_testing._unittest.assertions import set_rng_seed
 from fsdp_testing.testcase import (
@@ -255,7 +256,12 @@ class DTensorTestBase(DTensorTestMixin, MultiProcessTestCase):
         device_backend = dist.get_default_backend_for_device(self.device_type)
         known = (*_KNOWN_BACKENDS, f"cpu:gloo,{self.device_type}:{device_backend}")
         if wanted not in known:
-            raise RuntimeError(f"Backend {wanted} not supported!")
+            raise RuntimeError(
+                f"Backend {wanted} not supported! {type(self).__name__}.init_pg takes one of "
+                f"{', '.join(known)} (torch's list)"
+            )
+        if self._dist_mode() is not Mode.PROCESS:
+            return  # dist_mode = "thread"/"local"/"fake": the mode's group stands in for it
         if "nccl" in wanted or "xccl" in wanted:
             torch.accelerator.set_device_index(int(self.rank))
         actual = _group_backend()

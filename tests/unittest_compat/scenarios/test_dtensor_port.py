@@ -112,6 +112,40 @@ class TestDTensorBase(DTensorTestBase):
 instantiate_parametrized_tests(TestDTensorBase)
 
 
+class TestInThreads(DTensorTestBase):
+    # The marker's modes as a class attribute, as for the other mirrors' classes.
+    dist_mode = "thread"
+
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_sharded_and_back(self):
+        self.assertEqual(dist.get_backend(), "threaded")
+        mesh = self.build_device_mesh()
+        full = torch.arange(8.0).view(4, 2)
+        sharded = distribute_tensor(full, mesh, [Shard(0)])
+        self.assertEqual(sharded.to_local(), full[2 * self.rank : 2 * self.rank + 2])
+        self.assertEqual(sharded.redistribute(mesh, [Replicate()]).to_local(), full)
+
+
+class TestInLocalMode(DTensorTestBase):
+    dist_mode = "local"  # every rank in this process, exact collectives
+
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_tensor_parallel_mlp_in_local_mode(self):
+        model = MLPModule(self.device_type)
+        plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+        model_tp = parallelize_module(copy.deepcopy(model), self.build_device_mesh(), plan)
+        x = torch.rand(4, 10)
+        self.assertEqual(model(x), model_tp(x))
+
+
 class TestLocalTensor(DTensorTestBase):
     @property
     def world_size(self):
