@@ -3,7 +3,8 @@ of torch's module (checked against the installed torch by
 ``tests/unittest_compat/test_name_coverage.py``), the test classes running on fsdp_testing's
 launcher (warm gloo ranks on CPU, the accelerator's backend with one device per rank, thread
 ranks for ``DTensorOpTestBase``, fake mode for the ``LocalTensorMode`` classes; see
-[Note: DTensor classes on warm ranks] in ``_compat/dtensor.py``). docs/compatibility.md lists
+[Note: DTensor classes on warm ranks] in ``_compat/dtensor.py`` and [Note: LocalTensorMode
+classes in fake mode] in ``_compat/dtensor_local.py``). docs/compatibility.md lists
 what differs from torch, with a measurement on torch's own tensor-parallel and DTensor tests.
 """
 
@@ -20,13 +21,8 @@ from fsdp_testing._compat.dtensor import (
     DTensorOpTestBase,
     DTensorTestBase,
     DTensorTestMixin,
-    LocalDTensorContinuousTestBase,
-    LocalDTensorOpTestBase,
-    LocalDTensorTestBase,
     T,
     TestFunc,
-    create_local_tensor_test_class,
-    make_wrapped,
     skip_unless_torch_gpu,
     with_comms,
 )
@@ -36,11 +32,20 @@ from fsdp_testing._compat.dtensor_helpers import (
     make_full_tensor,
     map_local_for_rank,
     map_local_tensor_for_rank,
-    op_strategy_context,
     patched_distribute_tensor,
     redistribute,
     reduce_local_int,
     shard_order_to_placement,
+)
+from fsdp_testing._compat.dtensor_local import (
+    LocalDTensorContinuousTestBase,
+    LocalDTensorOpTestBase,
+    LocalDTensorTestBase,
+    create_local_tensor_test_class,
+    make_wrapped,
+)
+from fsdp_testing._compat.dtensor_rules import (
+    op_strategy_context,
     validate_sharding_rule_sample,
     validate_sharding_rule_sample_backward,
 )

@@ -37,9 +37,9 @@ _MACHINERY_FILES = ("plugin.py", "launcher.py", "testcase.py")
 """Public modules of the package that are harness machinery (run the test, not the user's
 checks); every private module (``_launch``, ``_rank``, ``_report``, ...) is machinery too,
 but for those in :data:`_USER_FACING_PRIVATE`."""
-_USER_FACING_PRIVATE = (
-    os.path.join("_compat", "dtensor.py"),
-    os.path.join("_compat", "dtensor_helpers.py"),
+_USER_FACING_PRIVATE = tuple(
+    os.path.join("_compat", f"{name}.py")
+    for name in ("dtensor", "dtensor_helpers", "dtensor_local", "dtensor_rules")
 )
 """Private modules whose code the user calls as torch's (``with_comms``, ``init_pg``,
 ``_test_op``, ``DTensorConverter``): a failure there keeps its frames, a hang shows them."""
