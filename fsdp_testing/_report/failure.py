@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 __all__ = [
+    "USER_FACING_PRIVATE",
     "Facts",
     "Pending",
     "describe",
@@ -36,8 +37,8 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MACHINERY_FILES = ("plugin.py", "launcher.py", "testcase.py")
 """Public modules of the package that are harness machinery (run the test, not the user's
 checks); every private module (``_launch``, ``_rank``, ``_report``, ...) is machinery too,
-but for those in :data:`_USER_FACING_PRIVATE`."""
-_USER_FACING_PRIVATE = tuple(
+but for those in :data:`USER_FACING_PRIVATE`."""
+USER_FACING_PRIVATE = tuple(
     os.path.join("_compat", f"{name}.py")
     for name in ("dtensor", "dtensor_helpers", "dtensor_local", "dtensor_rules")
 )
@@ -59,7 +60,7 @@ def is_machinery(path: str) -> bool:
     if not path.startswith(_PKG_DIR + os.sep):
         return False
     relative = os.path.relpath(path, _PKG_DIR)
-    if relative in _USER_FACING_PRIVATE:
+    if relative in USER_FACING_PRIVATE:
         return False
     first = relative.split(os.sep)[0]
     return first.startswith("_") or first in _MACHINERY_FILES
