@@ -36,6 +36,7 @@ LONGEST_FIRST = (
     "tests/scale/test_local_exact.py",  # 26
     "tests/cli/test_plan.py",  # 26
     "tests/cli/test_plan_vs_recorder.py",  # 24
+    "tests/unittest_compat/test_dtensor_port.py",  # 24 (December 6, run alone)
     "tests/core/test_dcp_wrapper.py",  # 23
     "tests/plugin/test_outcomes.py",  # 23
     "tests/core/graph/test_engine.py",  # 23

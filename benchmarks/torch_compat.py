@@ -1,12 +1,14 @@
 """How torch's own FSDP test files fare when moved to fsdp_testing by an import change.
 
-For every ``test_*.py`` under DIRECTORY (a copy of torch's ``test/distributed/fsdp/`` and
-``test/distributed/_composable/fsdp/`` for the torch release you use; they are not in the torch
-wheel, get them from the torch source tree or repository at that release's tag), the script:
+For every ``test_*.py`` under DIRECTORY (a copy of torch's ``test/distributed/fsdp/``,
+``test/distributed/_composable/fsdp/`` or ``test/distributed/tensor/`` (with ``parallel/``) for
+the torch release you use; they are not in the torch wheel, get them from the torch source tree
+or repository at that release's tag), the script:
 
 1. ports the file mechanically: ``torch.testing._internal.common_fsdp`` /
-   ``common_distributed`` / ``common_utils`` become ``fsdp_testing.common_fsdp`` / ... and
-   nothing else changes;
+   ``common_distributed`` / ``common_utils`` / ``distributed._tensor.common_dtensor`` become
+   ``fsdp_testing.common_fsdp`` / ... / ``fsdp_testing.common_dtensor`` and nothing else
+   changes;
 2. runs the ported file with our harness (pytest, CPU ranks over gloo; ``--engine`` selects
    what the reference models shard with: ``torch_fsdp1`` by default, ``fsdp_core`` for ours);
 3. runs the original file with torch's own harness (pytest with our plugin disabled);
@@ -52,29 +54,42 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MIRRORED = ("common_fsdp", "common_distributed", "common_utils")
-_IMPORT = re.compile(r"\btorch\.testing\._internal\.(" + "|".join(MIRRORED) + r")\b")
-_FROM_PACKAGE = re.compile(r"from torch\.testing\._internal import (" + "|".join(MIRRORED) + r")\b")
+# torch's harness modules and their mirrors: a ported file imports the mirror instead.
+MIRRORS = {
+    "torch.testing._internal.common_fsdp": "fsdp_testing.common_fsdp",
+    "torch.testing._internal.common_distributed": "fsdp_testing.common_distributed",
+    "torch.testing._internal.common_utils": "fsdp_testing.common_utils",
+    "torch.testing._internal.distributed._tensor.common_dtensor": "fsdp_testing.common_dtensor",
+}
+_IMPORT = re.compile(r"\b(" + "|".join(re.escape(m) for m in MIRRORS) + r")\b")
 
 
 def port_source(source: str, *, engine: str | None = None) -> str:
-    """The file with its imports of torch's three harness modules pointed at fsdp_testing, and
-    with ``engine="fsdp_core"`` its FSDP2 imports pointed at fsdp_core too (see
-    :func:`map_fsdp2_imports`)."""
-    ported = _IMPORT.sub(lambda m: f"fsdp_testing.{m.group(1)}", source)
-    ported = _FROM_PACKAGE.sub(lambda m: f"from fsdp_testing import {m.group(1)}", ported)
+    """The file with its imports of torch's four harness modules (``common_fsdp``,
+    ``common_distributed``, ``common_utils``, ``distributed._tensor.common_dtensor``) pointed
+    at fsdp_testing's mirrors, and with ``engine="fsdp_core"`` its FSDP2 imports pointed at
+    fsdp_core too (see :func:`_fsdp2_names`)."""
+    ported = _IMPORT.sub(lambda m: MIRRORS[m.group(1)], source)
+    ported = _rewrite_from_imports(ported, _mirrored_submodules)
     ported = _rewrite_from_imports(ported, _names_the_mirror_lacks)
     return _rewrite_from_imports(ported, _fsdp2_names) if engine == "fsdp_core" else ported
+
+
+def _mirrored_submodules(module: str, names: list[str]) -> tuple[str, list[str]] | None:
+    """``from torch.testing._internal import common_utils, logging_utils``: the mirrored
+    modules (``common_utils``) come from fsdp_testing, the others stay torch's."""
+    picked = [n for n in names if f"{module}.{n}" in MIRRORS]
+    return ("fsdp_testing", picked) if picked else None
 
 
 def _names_the_mirror_lacks(module: str, names: list[str]) -> tuple[str, list[str]] | None:
     """Names imported from a mirror module that it does not define (torch's utilities that are
     not harness machinery, e.g. ``device_sleep``): they stay torch's."""
-    mirrored = module.removeprefix("fsdp_testing.")
-    if mirrored == module or mirrored not in MIRRORED:
+    torch_module = next((t for t, m in MIRRORS.items() if m == module), None)
+    if torch_module is None:
         return None
     mirror = importlib.import_module(module)
-    return f"torch.testing._internal.{mirrored}", [n for n in names if not hasattr(mirror, n)]
+    return torch_module, [n for n in names if not hasattr(mirror, n)]
 
 
 def _fsdp2_names(module: str, names: list[str]) -> tuple[str, list[str]] | None:
@@ -308,12 +323,12 @@ def _bare_rank(
     rank: int, path: str, class_name: str, method: str, world_size: int, port: int, out: str
 ) -> None:
     """One rank of a bare run, forked with the gates already given ``allow_cpu``: join a gloo
-    group, build the test case, call the method."""
+    group (a DTensor class's ``with_comms`` joins it itself, through its ``init_pg``), build the
+    test case, call the method."""
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         spec = importlib.util.spec_from_file_location(f"bare_{Path(path).stem}", path)
         if spec is None or spec.loader is None:
@@ -325,6 +340,10 @@ def _bare_rank(
         sized = type(cls.__name__, (cls,), {"world_size": property(lambda self: world_size)})
         case = sized(method)
         case.rank = rank
+        if hasattr(case, "init_pg"):
+            case.file_name = str(Path(out, "rendezvous"))  # torch's init_pg: file://{file_name}
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         getattr(case, method)()
         outcome, detail = "PASSED", ""
     except unittest.SkipTest as exc:
@@ -341,7 +360,8 @@ def _bare_rank(
         outcome = "FAILED"
         detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"outcome": outcome, "detail": detail}))
 
 

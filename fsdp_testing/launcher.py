@@ -54,11 +54,14 @@ class LaunchSettings:
         timeout: seconds before a test counts as hung, unless its marker says otherwise.
         backend: backend for process-mode tests whose marker names none (None: automatic).
         pool: keep ranks warm between tests (``--no-dist-pool`` turns it off).
+        tbstyle: pytest's ``--tb`` style, for the tracebacks the unittest classes' ranks
+            format (the marker's tests take it from their item); ``"auto"`` outside pytest.
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
     backend: str | None = None
     pool: bool = True
+    tbstyle: str = "auto"
 
 
 class UnavailableBackend(Exception):

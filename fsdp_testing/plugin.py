@@ -283,6 +283,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     note = getattr(getattr(item, "instance", None), "_fsdp_testing_note", None)
     if note and call.when == "call":
         report.user_properties.append(("fsdp_testing_world", note))
+    if call.excinfo is not None and "fsdp_testing.testcase" in sys.modules:
+        from fsdp_testing._report.unittest_failure import report_as_ranks_did
+
+        report_as_ranks_did(item, call, report)
     return report
 
 

@@ -375,7 +375,7 @@ class _DistributedTestCase(TestCase):
         try:
             for one in specs:
                 verdict = run_distributed(
-                    Task(target=target, kwargs={}, test_id=test_id),
+                    Task(target=target, kwargs={}, test_id=test_id, tbstyle=settings.tbstyle),
                     one,
                     settings,
                     pool=None if self.use_warm_pool else False,

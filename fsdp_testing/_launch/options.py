@@ -87,7 +87,8 @@ def settings_from(config: pytest.Config) -> Any:
     pool = config.getoption("dist_pool")
     if pool is None:
         pool = bool(config.getini("dist_pool"))
-    return LaunchSettings(timeout=timeout, backend=backend, pool=pool)
+    tbstyle = str(config.getoption("tbstyle", "auto"))
+    return LaunchSettings(timeout=timeout, backend=backend, pool=pool, tbstyle=tbstyle)
 
 
 def configure_cpu_world_size(config: pytest.Config) -> None:

@@ -67,7 +67,7 @@ class RankState:
             ("torch.distributed attributes", self._restore_attributes),
             ("process groups the test made", self._destroy_new_groups),
             ("the store new groups meet in", self._fresh_group_store),
-            ("DTensor sharding caches", _forget_dtensor_meshes),
+            ("DTensor sharding caches and RNG tracker", _forget_dtensor_meshes),
             ("torch and Python RNG", self._restore_rng),
             ("default dtype, grad mode and device", self._restore_defaults),
         ]
@@ -225,7 +225,8 @@ def _snapshot(attrs: dict[str, object]) -> list[object]:
 
 
 def _forget_dtensor_meshes() -> None:
-    """Drop DTensor's sharding propagation caches (the Python one and the C++ fast path's).
+    """Drop DTensor's RNG tracker and its sharding propagation caches (the Python one and the
+    C++ fast path's).
 
     Their keys compare device meshes by ranks only: after a test's group is destroyed (a
     subgroup on a warm rank, every group of a thread-mode world), the next test's DTensor ops
@@ -242,6 +243,12 @@ def _forget_dtensor_meshes() -> None:
 
     if "torch.distributed.tensor" not in sys.modules:
         return  # no DTensor op ran in this process: nothing cached
+    # The RNG tracker that DTensor's random ops (and torch.distributed.tensor._random's
+    # manual_seed) make once per process holds the mesh of the test that made it; a fresh
+    # process has none, and the next test's first random op makes its own.
+    random_ops = sys.modules.get("torch.distributed.tensor._random")
+    if random_ops is not None:
+        random_ops._rng_tracker = None  # type: ignore[attr-defined]
     import torch
     from torch.distributed.tensor import DTensor
 

@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 __all__ = [
+    "USER_FACING_PRIVATE",
     "Facts",
     "Pending",
     "describe",
@@ -35,7 +36,14 @@ __all__ = [
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MACHINERY_FILES = ("plugin.py", "launcher.py", "testcase.py")
 """Public modules of the package that are harness machinery (run the test, not the user's
-checks); every private module (``_launch``, ``_rank``, ``_report``, ...) is machinery too."""
+checks); every private module (``_launch``, ``_rank``, ``_report``, ...) is machinery too,
+but for those in :data:`USER_FACING_PRIVATE`."""
+USER_FACING_PRIVATE = tuple(
+    os.path.join("_compat", f"{name}.py")
+    for name in ("dtensor", "dtensor_helpers", "dtensor_local", "dtensor_rules")
+)
+"""Private modules whose code the user calls as torch's (``with_comms``, ``init_pg``,
+``_test_op``, ``DTensorConverter``): a failure there keeps its frames, a hang shows them."""
 _TORCH_DIR = os.sep + "torch" + os.sep
 SUMMARY_CHARS = 1000
 """The longest summary a rank sends (the report's headline bounds it further)."""
@@ -51,7 +59,10 @@ def is_machinery(path: str) -> bool:
     path = os.path.abspath(path)
     if not path.startswith(_PKG_DIR + os.sep):
         return False
-    first = os.path.relpath(path, _PKG_DIR).split(os.sep)[0]
+    relative = os.path.relpath(path, _PKG_DIR)
+    if relative in USER_FACING_PRIVATE:
+        return False
+    first = relative.split(os.sep)[0]
     return first.startswith("_") or first in _MACHINERY_FILES
 
 

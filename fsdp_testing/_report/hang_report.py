@@ -22,7 +22,7 @@ from fsdp_testing._report.divergence import (
     injected_faults,
     never_entered,
 )
-from fsdp_testing._report.failure import mask, message_of
+from fsdp_testing._report.failure import USER_FACING_PRIVATE, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.imports import Importing, importing
 from fsdp_testing._report.observation import Observation
@@ -52,7 +52,14 @@ class _Frame(NamedTuple):
     func: str
 
 
+_USER_FACING = tuple(os.path.join(os.sep + "fsdp_testing", p) for p in USER_FACING_PRIVATE)
+
+
 def _is_harness(path: str) -> bool:
+    """Whether ``path`` (or a stack dump's ``File "..."`` line) is the harness's own code; not
+    torch's DTensor helpers that the test calls (``with_comms``, ``destroy_pg``, ...)."""
+    if any(module in path for module in _USER_FACING):
+        return False
     return any(m in path for m in _HARNESS_MARKERS)
 
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 import collections.abc
 import enum
 import math
+import pathlib
 import random
+import subprocess
 import sys
 import unittest
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -116,25 +119,55 @@ def _where(path: str) -> str:
     return f"\nThe failure occurred for item {path}" if path else ""
 
 
+def _unrelated(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return not (isinstance(x, type(y)) or isinstance(y, type(x)))
+
+
 def _compare_tensors(x: torch.Tensor, y: torch.Tensor, opts: _Options, path: str) -> str | None:
     rtol, atol = opts.tolerances(x.dtype, y.dtype)
     if not opts.exact_device and x.device != y.device:
         y = y.to(x.device)
+    options: dict[str, Any] = {
+        "rtol": rtol,
+        "atol": atol,
+        "equal_nan": opts.equal_nan,
+        "check_device": opts.exact_device,
+        "check_dtype": opts.exact_dtype,
+        "check_layout": opts.exact_layout,
+        "check_stride": opts.exact_stride,
+    }
     try:
-        torch.testing.assert_close(
-            x,
-            y,
-            rtol=rtol,
-            atol=atol,
-            equal_nan=opts.equal_nan,
-            check_device=opts.exact_device,
-            check_dtype=opts.exact_dtype,
-            check_layout=opts.exact_layout,
-            check_stride=opts.exact_stride,
-        )
+        if _unrelated(x, y):
+            # Two tensor subclasses neither of which is the other's (a LocalTensor against an
+            # AsyncCollectiveTensor): assert_close refuses the pair, torch's assertEqual
+            # compares their values. See _AnyTensorPair.
+            from torch.testing._comparison import not_close_error_metas
+
+            mismatches = not_close_error_metas(x, y, pair_types=(_any_tensor_pair(),), **options)
+            if mismatches:
+                raise mismatches[0].to_error()
+        else:
+            torch.testing.assert_close(x, y, **options)
     except AssertionError as error:
         return f"{error}{_where(path)}"
     return None
+
+
+def _any_tensor_pair() -> type:
+    """``assert_close``'s pair for tensors without its check that the two types are related,
+    as torch's ``TestCase`` pairs them (its ``TensorOrArrayPair``)."""
+    from torch.testing._comparison import TensorLikePair
+
+    class _AnyTensorPair(TensorLikePair):
+        def _process_inputs(
+            self, actual: Any, expected: Any, *, id: Any, allow_subclasses: bool
+        ) -> Any:
+            self._check_inputs_isinstance(actual, expected, cls=torch.Tensor)
+            for tensor in (actual, expected):
+                self._check_supported(tensor, id=id)
+            return actual, expected
+
+    return _AnyTensorPair
 
 
 def _compare_numbers(x: object, y: object, opts: _Options, path: str) -> str | None:
@@ -328,3 +361,60 @@ class TestCase(unittest.TestCase):
         """:meth:`assertEqual` with ``exact_dtype=False``."""
         kwargs.setdefault("exact_dtype", False)
         self.assertEqual(*args, **kwargs)
+
+    def assertNotWarn(self, callable: Callable[[], Any], msg: str = "") -> None:
+        """Fails if ``callable()`` warns (every warning counts, torch's warn-once ones each
+        time, as torch's ``assertNotWarn`` sets ``torch.set_warn_always``).
+
+        Args:
+            callable: called with no arguments.
+            msg: the failure message (default empty).
+        """
+        __tracebackhide__ = True
+        always = torch.is_warn_always_enabled()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.set_warn_always(True)
+            try:
+                callable()
+            finally:
+                torch.set_warn_always(always)
+        if caught:
+            found = "; ".join(f"{w.category.__name__}: {w.message}" for w in caught)
+            raise self.failureException(f"{msg} (warned: {found})" if msg else f"warned: {found}")
+
+    def _attempt_load_from_subprocess(
+        self,
+        file: pathlib.Path,
+        import_string: str,
+        expected_failure_message: str | None = None,
+    ) -> None:
+        """torch's helper: ``torch.load(file, weights_only=True)`` in a fresh Python process
+        after ``import torch;{import_string}``; it must succeed, or, with
+        ``expected_failure_message``, fail with that text in its output.
+
+        Args:
+            file: the checkpoint to load.
+            import_string: statements run before the load, each ending in ``;``.
+            expected_failure_message: text the failure must show (default: it must load).
+        """
+        __tracebackhide__ = True
+        script = f"import torch;{import_string}torch.load(r'{file}', weights_only=True)"
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=False
+        )
+        output = proc.stdout + proc.stderr
+        if expected_failure_message is None:
+            if proc.returncode != 0:
+                raise self.failureException(f"loading {file} in a subprocess failed:\n{output}")
+            return
+        if proc.returncode == 0:
+            raise self.failureException(
+                f"loading {file} in a subprocess succeeded; expected it to fail with "
+                f"{expected_failure_message!r}"
+            )
+        if expected_failure_message not in output:
+            raise self.failureException(
+                f"loading {file} in a subprocess failed without {expected_failure_message!r}:"
+                f"\n{output}"
+            )

@@ -3,7 +3,12 @@ of parametrize/subtest, the CPU world-size rule, requirement decorators, keyword
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import unittest
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,6 +117,41 @@ def test_assert_not_equal_on_tensors(case: _Probe) -> None:
         case.assertNotEqual(t, t.clone())
 
 
+class _SubclassA(torch.Tensor):
+    # Like LocalTensor and AsyncCollectiveTensor: no __torch_function__ of its own.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _SubclassB(torch.Tensor):
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def test_unrelated_tensor_subclasses_compare_by_value(case: _Probe) -> None:
+    # assert_close refuses a pair of which neither type is the other's (a LocalTensor against
+    # an AsyncCollectiveTensor in torch's DTensor tests); torch's assertEqual compares them.
+    a = torch.arange(3.0).as_subclass(_SubclassA)
+    b = torch.arange(3.0).as_subclass(_SubclassB)
+    case.assertEqual(a, b)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        case.assertEqual(a, (torch.arange(3.0) + 1).as_subclass(_SubclassB))
+
+
+def test_assert_not_warn(case: _Probe) -> None:
+    case.assertNotWarn(lambda: None)
+    with pytest.raises(AssertionError, match=r"quiet please \(warned: UserWarning: loud\)"):
+        case.assertNotWarn(lambda: warnings.warn("loud", stacklevel=1), "quiet please")
+
+
+def test_attempt_load_from_subprocess(case: _Probe, tmp_path: Path) -> None:
+    saved = tmp_path / "t.pt"
+    torch.save(torch.ones(2), saved)
+    case._attempt_load_from_subprocess(saved, "")
+    missing = tmp_path / "missing.pt"
+    case._attempt_load_from_subprocess(missing, "", "No such file or directory")
+    with pytest.raises(AssertionError, match="succeeded; expected it to fail"):
+        case._attempt_load_from_subprocess(saved, "import os;", "No such file")
+
+
 # -- parametrize and subtest ---------------------------------------------------------------------
 
 
@@ -171,6 +211,104 @@ def test_parametrize_reports_mismatched_values() -> None:
 
     with pytest.raises(ValueError, match="case 0 has 3 values for 2 names"):
         instantiate_parametrized_tests(Cases)
+
+
+def test_inherited_generic_parametrized_test_raises_torchs_error() -> None:
+    class Base(TestCase):
+        @parametrize("x", [1, 2])
+        def test_a(self, x: int) -> None:
+            pass
+
+    class Sub(Base):
+        @parametrize("y", [3])
+        def test_b(self, y: int) -> None:
+            pass
+
+    with pytest.raises(AttributeError) as error:
+        instantiate_parametrized_tests(Sub)
+    # torch's words first (its delattr fails on the inherited attribute), then the fix.
+    assert str(error.value).startswith("type object 'Sub' has no attribute 'test_a': ")
+    assert "call instantiate_parametrized_tests(Base)" in str(error.value)
+    assert "test_b" in vars(Sub) and "test_b_y_3" not in vars(Sub)  # nothing was changed
+
+
+def test_inherited_generated_case_raises_torchs_error_and_own_cases_still_work() -> None:
+    @instantiate_parametrized_tests
+    class Base(TestCase):
+        @parametrize("x", [1, 2])
+        def test_a(self, x: int) -> None:
+            assert x in (1, 2)
+
+    class Sub(Base):
+        pass
+
+    with pytest.raises(AttributeError) as error:
+        instantiate_parametrized_tests(Sub)
+    assert str(error.value).startswith("type object 'Sub' has no attribute 'test_a_x_1': ")
+    assert "leave the subclass out of instantiate_parametrized_tests" in str(error.value)
+    # Left out, the subclass runs the cases it inherits.
+    result = unittest.TestResult()
+    unittest.defaultTestLoader.loadTestsFromTestCase(Sub).run(result)
+    assert result.testsRun == 2 and result.wasSuccessful()
+
+
+def test_inherited_parametrized_tests_fail_as_under_torchs_function(tmp_path: Path) -> None:
+    # torch's own instantiate_parametrized_tests, in a child process (importing torch's
+    # common_utils changes global state), on the two inherited cases above: the same type and
+    # the same words as ours.
+    script = tmp_path / "inherited.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, unittest
+
+            if sys.argv[1] == "torch":
+                from torch.testing._internal.common_utils import (
+                    instantiate_parametrized_tests, parametrize)
+            else:
+                from fsdp_testing.common_utils import instantiate_parametrized_tests, parametrize
+
+            class Base(unittest.TestCase):
+                @parametrize("x", [1, 2])
+                def test_a(self, x):
+                    pass
+
+            class Sub(Base):
+                pass
+
+            @instantiate_parametrized_tests
+            class Base2(unittest.TestCase):
+                @parametrize("x", [1, 2])
+                def test_a(self, x):
+                    pass
+
+            class Sub2(Base2):
+                pass
+
+            for cls in (Sub, Sub2):
+                try:
+                    instantiate_parametrized_tests(cls)
+                    print("no error")
+                except Exception as exc:
+                    print(type(exc).__name__, str(exc).split(": ")[0])
+            """
+        )
+    )
+    outputs = {}
+    for which in ("torch", "ours"):
+        proc = subprocess.run(
+            [sys.executable, str(script), which],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        outputs[which] = proc.stdout
+    assert outputs["torch"] == outputs["ours"], outputs
+    assert outputs["ours"].splitlines() == [
+        "AttributeError type object 'Sub' has no attribute 'test_a'",
+        "AttributeError type object 'Sub2' has no attribute 'test_a_x_1'",
+    ]
 
 
 # -- world size ----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Every public name of the installed torch's ``common_fsdp`` and ``common_distributed`` exists
-in our mirror modules, so the gap cannot reopen silently when torch is upgraded.
+"""Every public name of the installed torch's ``common_fsdp``, ``common_distributed`` and
+``distributed._tensor.common_dtensor`` exists in our mirror modules, so the gap cannot reopen
+silently when torch is upgraded.
 
 A module's public surface is what it defines at top level (functions, classes, assignments,
 also under ``if``/``try``) plus what it re-exports from ``torch.testing._internal`` (names tests
@@ -21,6 +22,7 @@ import torch
 MIRRORS = {
     "torch.testing._internal.common_fsdp": "fsdp_testing.common_fsdp",
     "torch.testing._internal.common_distributed": "fsdp_testing.common_distributed",
+    "torch.testing._internal.distributed._tensor.common_dtensor": "fsdp_testing.common_dtensor",
 }
 # The common_utils names distributed and FSDP test files import (common_utils itself has
 # hundreds of names for torch's whole suite; these are the distributed tests' share), with the
