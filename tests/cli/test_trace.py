@@ -115,7 +115,7 @@ def test_draw_timeline_rejects_a_narrow_picture():
 
 def test_trace_rejects_a_narrow_width_before_running(capsys):
     assert main(["trace", "--model", "nested", "--width", "300"]) == 2
-    assert "fsdp-testing trace: invalid --width 300: give at least 400 pixels" in (
+    assert "fsdp-testing trace: --width 300: give at least 400 pixels" in (
         capsys.readouterr().err
     )
 
