@@ -12,7 +12,9 @@ step, and only from the second step on: the first iteration also records the ord
 prefetching follows. The resident memory high-water mark covers the whole row. At the first
 step that diverges on any rank (the ranks agree on it after every step, outside the counted
 step), every rank reads the likely causes from the lockstep (``Lockstep.explain``, the
-library's [Note: likely causes]) and reports them with its numbers.
+library's [Note: likely causes]) and reports them with its numbers. A row of a user's own
+parallelization trains on ``check_parity``'s lockstep instead, measured the same way ([Note:
+model-parallel rows] in ``_parallel.py``); :func:`make_setup` picks the trainer.
 """
 
 from __future__ import annotations
