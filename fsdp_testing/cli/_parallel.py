@@ -178,10 +178,14 @@ def parse_layout(text: str, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[st
                 "0.weight=0,0.bias=0,2.weight=1"
             )
         if over and over not in names:
-            where_from = f"a dim of --mesh ({', '.join(names)})" if names else "--mesh"
+            fix = (
+                f"name a dim of --mesh ({', '.join(names)})"
+                if names
+                else f"give --mesh NAME=SIZE,... with a dim {over}"
+            )
             raise ValueError(
-                f"--layout {piece}: {over!r} is not a mesh dim; name {where_from}, or leave "
-                ":MESH_DIM out to split across the model-parallel ranks"
+                f"--layout {piece}: {over!r} is not a mesh dim; {fix}, or leave :MESH_DIM out "
+                "to split across the model-parallel ranks"
             )
         if name in (n for n, _, _ in entries):
             raise ValueError(f"--layout {text!r}: {name!r} is given twice; give each once")

@@ -266,6 +266,11 @@ def rich_table(rows: list[RowResult], *, width: int = 120) -> Group:
         parts.append(table(name, body))
     shortened = [f"{_ENGINE[e]}: {e}" for e in engines if e in _ENGINE and len(engines) > 1]
     narrow = f" Left out to fit {width} columns: {', '.join(left_out)}." if left_out else ""
+    if any(row.config.cell is not None for row in rows):  # [Note: model-parallel rows]
+        shortened.append(
+            "a --parallelize row's configuration: where its batch comes from (data-parallel, "
+            "same-batch, or a mesh and its data-parallel dims), n/a: no theory to compare with"
+        )
     legend = _LEGEND + "".join(f" · {s}" for s in shortened) + "." + narrow
     parts.append(Text(legend, style="dim"))
     return Group(*parts)

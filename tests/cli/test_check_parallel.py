@@ -144,7 +144,11 @@ _ON_MESH = (*TP, "--parallelize", "tensor_parallel:data_and_tensor_parallel", "-
         ),
         (
             ["check", *_ON_MESH, "--dp-dims", "dp", "--layout", "w=0:ep"],
-            "--layout w=0:ep: 'ep' is not a mesh dim",
+            "--layout w=0:ep: 'ep' is not a mesh dim; name a dim of --mesh (dp, tp)",
+        ),
+        (
+            ["check", *_TP_PARALLEL, "--layout", "0.weight=0:tp"],
+            "'tp' is not a mesh dim; give --mesh NAME=SIZE,... with a dim tp",
         ),
         (
             ["check", *_ON_MESH, "--dp-dims", "dp,tp", "--layout", "0.weight=0"],
