@@ -8,12 +8,17 @@ local shards, no DTensor), the kind of code ``examples/test_tensor_parallel.py``
 - :class:`VocabParallelEmbedding` keeps rows of the vocabulary; :func:`vocab_parallel_cross_entropy`
   computes the loss over logits split on the vocabulary (a MAX all-reduce for the softmax's
   maximum, SUM all-reduces for its sum and the target logits);
-- :func:`mlp` is column, GELU, row: one all-reduce forward, one backward; with
-  ``sequence_parallel=True`` activations outside the MLP are split on the sequence dim, gathered
-  before it and reduce-scattered after it.
+- :func:`mlp` is column, GELU, row (of :func:`build_mlp`'s full MLP): one all-reduce forward,
+  one backward; with ``sequence_parallel=True`` activations outside the MLP are split on the
+  sequence dim, gathered before it and reduce-scattered after it;
+  :func:`data_and_tensor_parallel` adds DDP across the ``dp`` dim of a 2-D mesh.
 
 Every layer is built from the full (single-device) layer it replaces, by slicing its weights,
-so a test trains the two side by side from one initialization.
+so a test trains the two side by side from one initialization: ``check_parity`` in
+``examples/test_tensor_parallel.py``, or from the command line (``docs/cli.md``)::
+
+    fsdp-testing check --model tensor_parallel:build_mlp --parallelize tensor_parallel:mlp \
+        --reference same-batch --layout 0.weight=0,0.bias=0,2.weight=1 --input-shape 6,8
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "build_mlp",
+    "data_and_tensor_parallel",
     "mlp",
     "vocab_parallel_cross_entropy",
 ]
@@ -177,6 +184,18 @@ def mlp(full: nn.Sequential, group: dist.ProcessGroup, *, sequence_parallel: boo
         group,
         sequence_parallel,
     )
+
+
+def build_mlp(dim: int = 8, hidden: int = 16) -> nn.Sequential:
+    """The full (single-device) MLP that :func:`mlp` splits: ``Linear, GELU, Linear``."""
+    return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+
+def data_and_tensor_parallel(full: nn.Sequential, mesh: Any) -> nn.Module:
+    """``full`` on a 2-D ``DeviceMesh`` with dims ``("dp", "tp")``: :func:`mlp` over the ``tp``
+    ranks, then DDP over the ``dp`` ranks (each shard's gradient averaged over the replicas)."""
+    tp = mlp(full, mesh.get_group("tp"))
+    return nn.parallel.DistributedDataParallel(tp, process_group=mesh.get_group("dp"))
 
 
 class VocabParallelEmbedding(nn.Module):

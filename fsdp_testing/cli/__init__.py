@@ -8,6 +8,10 @@ imports this package):
 - ``plan`` (``plan.py``): what a configuration costs per rank, planned on fake tensors in a
   fake world without running it (``_plan_*.py``).
 
+``check`` and ``trace`` share their options (``_options.py``: parsed and validated before any
+row runs), the rows' matrix (``_matrix.py``), what runs on the ranks (``_rankwork.py``) and a
+user's own model-parallel rows (``_parallel.py``: ``--parallelize`` on check_parity's trainer).
+
 Shared by them (and the benchmarks): ``_render.py`` writes to the terminal (rich tables, a live
 progress bar and colour on a terminal, plain lines elsewhere), ``_table.py`` lays out the
 check's results, ``_report.py`` writes its JSON and JUnit reports, and ``_plot.py`` draws the

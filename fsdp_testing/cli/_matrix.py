@@ -111,6 +111,16 @@ class Config:
     def engine_name(self) -> str:
         return self.engine.rpartition(":")[2] if ":" in self.engine else self.engine
 
+    @property
+    def engine_title(self) -> str:
+        """What runs the row, as the terminal table's title says it."""
+        return f"engine: {self.engine_name}"
+
+    @property
+    def cell(self) -> str | None:
+        """The terminal table's configuration cell, where it is not the engine axes."""
+        return None
+
 
 def parse_axis(axis: str, text: str) -> tuple[str, ...]:
     """Parse ``--AXIS a,b,c`` (``all`` for every value).

@@ -12,7 +12,9 @@ step, and only from the second step on: the first iteration also records the ord
 prefetching follows. The resident memory high-water mark covers the whole row. At the first
 step that diverges on any rank (the ranks agree on it after every step, outside the counted
 step), every rank reads the likely causes from the lockstep (``Lockstep.explain``, the
-library's [Note: likely causes]) and reports them with its numbers.
+library's [Note: likely causes]) and reports them with its numbers. A row of a user's own
+parallelization trains on ``check_parity``'s lockstep instead, measured the same way ([Note:
+model-parallel rows] in ``_parallel.py``); :func:`make_setup` picks the trainer.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ._measure import (
     theoretical_volume,
 )
 
-__all__ = ["CheckCase", "TrainingSetup", "fsdp_options"]
+__all__ = ["CheckCase", "TrainingSetup", "fsdp_options", "make_setup"]
 
 
 def fsdp_options(config: Config) -> dict[str, Any]:
@@ -92,9 +94,21 @@ def _model_class(config: Config) -> tuple[Any, str]:
     return model_class, "ddp"
 
 
+def make_setup(config: Config, ctx: Any) -> Any:
+    """The trainer of one row on this rank: a :class:`TrainingSetup` for an engine's row, a
+    ``ParallelSetup`` for a user's own parallelization ([Note: model-parallel rows]). Both have
+    ``lockstep``, ``sharded``, ``engine``, ``mesh``, ``optim``, ``device``, ``forward(step)``,
+    ``backward(loss)`` and ``details(report)``."""
+    from ._parallel import ParallelConfig, ParallelSetup
+
+    if isinstance(config, ParallelConfig):
+        return ParallelSetup(config, ctx)
+    return TrainingSetup(config, ctx)
+
+
 class TrainingSetup:
-    """The lockstep trainer of one row (its sharded model, reference and optimizers); ``trace``
-    drives the sharded model alone.
+    """The lockstep trainer of one engine row (its sharded model, reference and optimizers);
+    ``trace`` drives the sharded model alone.
 
     Args:
         config: the row.
@@ -129,6 +143,22 @@ class TrainingSetup:
         self.test_model = sharded.test_model
         self.optim = sharded.optim
 
+    def forward(self, step: int) -> Any:
+        """The sharded model's loss on its next input (``trace``; the reference models' inputs
+        do not depend on ``step``)."""
+        test_model = self.test_model
+        assert test_model is not None  # for mypy: the reference models are workloads
+        inputs = test_model.get_input(self.device)
+        return test_model.get_loss(inputs, self.sharded(*inputs))
+
+    def backward(self, loss: Any) -> None:
+        assert self.test_model is not None  # for mypy: as in forward
+        self.test_model.run_backward(loss)
+
+    def details(self, report: Any) -> list[str]:
+        """Nothing beyond the divergences: the engine's units have no mesh coordinates."""
+        return []
+
 
 @dataclasses.dataclass
 class CheckCase:
@@ -159,12 +189,13 @@ class CheckCase:
         _write(self.out_dir, ctx.rank, result)
 
     def _train(self, ctx: Any) -> dict[str, Any]:
-        setup = TrainingSetup(self.config, ctx)
+        setup = make_setup(self.config, ctx)
         log = CollectiveLog()
         loss_diff = 0.0
         param_diff: float | None = None
         failures: list[str] = []
         causes: list[str] | None = None  # read at the first step that diverged anywhere
+        details: list[str] = []  # the mesh coordinates that differ, as check_parity says
         step_times: list[float] = []
         comm: list[dict[str, tuple[int, int]]] = []
         by_group: dict[str, dict[str, tuple[int, int]]] = {}
@@ -191,10 +222,15 @@ class CheckCase:
                 failures.extend(f"step {step}: {d}" for d in report.divergences[:5])
             if causes is None and _anyone_diverged(bool(report.divergences), ctx.process_group):
                 causes = _likely_causes(setup.lockstep, report, ctx.process_group)
-        theory = theoretical_volume(
-            setup.sharded,
-            engine=setup.engine,
-            full_shard=self.config.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+                details = [f"step {step}: {line}" for line in setup.details(report)]
+        theory = (
+            None  # a user's own parallelization has none: [Note: model-parallel rows]
+            if not isinstance(setup, TrainingSetup)
+            else theoretical_volume(
+                setup.sharded,
+                engine=setup.engine,
+                full_shard=self.config.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+            )
         )
         totals = theory.totals() if theory else None
         return {
@@ -211,6 +247,7 @@ class CheckCase:
             "param_diff": param_diff,
             "parity_failures": failures,
             "likely_causes": causes or [],
+            "mesh_details": details,
             "comm": {k: list(v) for k, v in comm[-1].items()} if comm else {},
             "comm_consistent": all(c == comm[-1] for c in comm),
             "theory": {k: list(v) for k, v in totals.items()} if totals is not None else None,

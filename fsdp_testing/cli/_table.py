@@ -166,6 +166,8 @@ def _styled(text: str, style: str = "") -> Text:
 
 
 def _config_cell(config: Config) -> str:
+    if config.cell is not None:  # a model-parallel row: [Note: model-parallel rows]
+        return config.cell
     offload = "cpu" if config.offload == "on" else "-"
     mp = config.mp if config.mp != "off" else "-"
     strategy = _STRATEGY.get(config.strategy, config.strategy)
@@ -256,7 +258,7 @@ def rich_table(rows: list[RowResult], *, width: int = 120) -> Group:
 
     parts: list[Table | Text] = []
     if len(engines) == 1:
-        parts.append(Text(f"engine: {engines[0]}", style="bold"))
+        parts.append(Text(rows[0].config.engine_title, style="bold"))
     parts.append(table(None, []))
     for index, (name, body) in enumerate(groups):
         if index:
@@ -264,6 +266,11 @@ def rich_table(rows: list[RowResult], *, width: int = 120) -> Group:
         parts.append(table(name, body))
     shortened = [f"{_ENGINE[e]}: {e}" for e in engines if e in _ENGINE and len(engines) > 1]
     narrow = f" Left out to fit {width} columns: {', '.join(left_out)}." if left_out else ""
+    if any(row.config.cell is not None for row in rows):  # [Note: model-parallel rows]
+        shortened.append(
+            "a --parallelize row's configuration: where its batch comes from (data-parallel, "
+            "same-batch, or a mesh and its data-parallel dims), n/a: no theory to compare with"
+        )
     legend = _LEGEND + "".join(f" · {s}" for s in shortened) + "." + narrow
     parts.append(Text(legend, style="dim"))
     return Group(*parts)

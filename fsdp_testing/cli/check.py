@@ -9,7 +9,6 @@ status is 1 if any row mismatches or errors, so CI can run it as is.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +18,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoint_row import checkpoint_configs, parse_reshard, run_checkpoint_rows
-from ._matrix import AXES, DEFAULTS, HYBRID_GRID, Config, build_matrix, parse_axis, row_world_size
+from ._matrix import DEFAULTS, HYBRID_GRID, Config, row_world_size
+from ._options import OptionError, RowOptions, add_row_options, parse_rows, validate_output_path
+from ._parallel import ParallelConfig
 from ._render import ProgressDisplay, echo, make_console
 from ._report import (
     ERROR,
@@ -40,48 +41,16 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "run", "run_matrix"]
 
 
-_NAMED_HELP = {
-    "engine": "; or module:attribute naming an engine",
-    "model": "; or package.module:callable[:k=v,...] returning an nn.Module",
-}
-
-
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "check",
         help="run the parity and communication matrix on CPU ranks",
         description=__doc__.splitlines()[0],
     )
-    for axis, values in AXES.items():
-        parser.add_argument(
-            f"--{axis}",
-            default=",".join(DEFAULTS[axis]),
-            metavar="A,B",
-            help=f"values: {', '.join(values)}, all (default: {','.join(DEFAULTS[axis])})"
-            + _NAMED_HELP.get(axis, ""),
-        )
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        metavar="SHAPE[:DTYPE]",
-        help="package.module:callable models without get_input: one positional input, e.g. "
-        "8,1024 or 8,512:int64 (repeat for several)",
-    )
-    parser.add_argument(
-        "--wrap",
-        metavar="CLASS,...",
-        help="package.module:callable models: module classes that become units (default: "
-        "the root only)",
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per row (default 3)")
-    parser.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds per row before it counts as hung"
-    )
+    add_row_options(parser, one_value=False, defaults=DEFAULTS)
     parser.add_argument(
         "--comm",
         choices=("strict", "report"),
-        default="strict",
         help="strict (default): communication that differs from the theoretical volume is a "
         "mismatch; report: show it without failing (e.g. to compare torch's engines)",
     )
@@ -97,38 +66,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        selection = {axis: parse_axis(axis, getattr(args, axis)) for axis in AXES}
-    except ValueError as error:
+    try:  # see [Note: options before rows]
+        rows_asked, reshard = _parse(args)
+    except OptionError as error:
         print(f"fsdp-testing check: {error}", file=sys.stderr)
         return 2
-    if args.world_size < 1 or args.steps < 1:
-        print("fsdp-testing check: --world-size and --steps must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        reshard = parse_reshard(args.checkpoint) if args.checkpoint else None
-    except ValueError as error:
-        print(f"fsdp-testing check: {error}", file=sys.stderr)
-        return 2
-    try:
-        user_models = _validate_user_models(selection["model"], args)
-    except ValueError as error:
-        print(f"fsdp-testing check: {error}", file=sys.stderr)
-        return 2
-    configs = [
-        dataclasses.replace(
-            c,
-            inputs=tuple(args.input_shape or ()),
-            units=tuple(w.strip() for w in (args.wrap or "").split(",") if w.strip()),
-        )
-        if c.model in user_models
-        else c
-        for c in build_matrix(selection)
-    ]
+    configs = rows_asked.configs
+    world_size = rows_asked.world_size
     console = make_console()
-    worlds = sorted({row_world_size(c, args.world_size) for c in configs})
+    worlds = sorted({row_world_size(c, world_size) for c in configs})
     hybrid = [c for c in configs if c.hybrid]
-    where = f"{args.world_size} gloo ranks"
+    where = f"{world_size} gloo ranks"
+    if rows_asked.mesh:
+        where += f" (mesh {' x '.join(f'{name}={size}' for name, size in rows_asked.mesh)})"
     if hybrid:  # see [Note: hybrid rows]
         grid = f"{HYBRID_GRID[0] * HYBRID_GRID[1]} gloo ranks ({HYBRID_GRID[0]} x {HYBRID_GRID[1]})"
         where = grid if len(hybrid) == len(configs) else f"{where}, hybrid rows on {grid}"
@@ -139,19 +89,19 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     rows = run_matrix(
         configs,
-        world_size=args.world_size,
+        world_size=world_size,
         steps=args.steps,
         timeout=args.timeout,
-        strict_comm=args.comm == "strict",
+        strict_comm=args.comm != "report",
         console=console,
     )
     if reshard is not None:  # see [Note: checkpoint rows]
-        configs = checkpoint_configs(selection["engine"], reshard)
+        configs = checkpoint_configs(rows_asked.selection["engine"], reshard)
         rows += run_checkpoint_rows(configs, timeout=args.timeout, console=console)
     total = time.monotonic() - started
     print_results(console, rows, total)
     meta = {
-        "world_size": args.world_size,
+        "world_size": world_size,
         "world_sizes": worlds,
         "steps": args.steps,
         "time_s": round(total, 3),
@@ -166,54 +116,36 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r.failed for r in rows) else 0
 
 
-def _validate_user_models(models: tuple[str, ...], args: argparse.Namespace) -> set[str]:
-    """The user's models among ``--model`` values (``package.module:callable``), checked in
-    this process (importable, an ``nn.Module``, inputs given or its own ``get_input``), so a
-    mistake is an option error rather than a failed row.
+def _parse(args: argparse.Namespace) -> tuple[RowOptions, tuple[int, int] | None]:
+    """The rows and the checkpoint rows' world sizes, every option validated.
 
     Raises:
-        ValueError: the message names the option, the value and the fix.
+        OptionError: the message names the option, the value and the fix.
     """
-    import torch.nn as nn
-
-    from fsdp_testing.models.user import load_factory
-
-    from ._matrix import MODELS
-    from ._plan_args import parse_input_shape, parse_model
-
-    inputs = [parse_input_shape(text) for text in args.input_shape or ()]
-    user = {m for m in models if m not in MODELS}
-    if not user and (args.input_shape or args.wrap):
-        given = "--input-shape" if args.input_shape else "--wrap"
-        raise ValueError(
-            f"{given} is for --model package.module:callable; reference models make their own "
-            "units and inputs"
+    rows = parse_rows(args, defaults=DEFAULTS, one_value=False)
+    parallel = any(isinstance(c, ParallelConfig) for c in rows.configs)
+    if parallel and args.comm is not None:
+        raise OptionError(
+            f"--comm {args.comm} with --parallelize {args.parallelize}: there is no theoretical "
+            "volume of your own parallelization to compare with (its collectives are shown, "
+            "not judged); leave --comm out"
         )
-    for text in sorted(user):
-        spec = parse_model(text)
-        factory = load_factory(spec.module or "", spec.attribute or "", option=f"--model {text}")
+    reshard = None
+    if args.checkpoint is not None:
+        if parallel:
+            raise OptionError(
+                f"--checkpoint {args.checkpoint} with --parallelize {args.parallelize}: "
+                "checkpoint rows resume an engine's DCP checkpoint; run them without "
+                "--parallelize"
+            )
         try:
-            module = factory(**dict(spec.kwargs))
-        except TypeError as error:
-            raise ValueError(
-                f"--model {text}: calling {spec.attribute}() failed ({error}); give a callable "
-                "that builds the model from size arguments only (package.module:callable:k=v)"
-            ) from None
-        if not isinstance(module, nn.Module):
-            raise ValueError(
-                f"--model {text}: {spec.attribute}() returned {type(module).__name__}, not an "
-                "nn.Module"
-            )
-        has_workload = all(
-            callable(getattr(module, m, None)) for m in ("get_input", "get_loss", "run_backward")
-        )
-        if not has_workload and not inputs:
-            raise ValueError(
-                f"--model {text}: the model has no get_input(device); give its inputs with "
-                "--input-shape (once per positional input), e.g. --input-shape 8,1024 or "
-                "8,512:int64"
-            )
-    return user
+            reshard = parse_reshard(args.checkpoint)
+        except ValueError as error:
+            raise OptionError(str(error)) from None
+    for option, path in (("--json", args.json), ("--junit-xml", args.junit_xml)):
+        if path:
+            validate_output_path(option, path)
+    return rows, reshard
 
 
 def run_matrix(
@@ -307,8 +239,21 @@ def _merge(
     }
     # The same list on every rank (Lockstep.explain agrees on it).
     row.causes = next((d["likely_causes"] for d in ranks.values() if d["likely_causes"]), [])
+    # The mesh coordinates whose shards differ: the same lines on every rank (a collective of
+    # UserLockstep.details), shown after the first rank's divergences.
+    details: list[str] = next((d["mesh_details"] for d in ranks.values() if d["mesh_details"]), [])
     for rank, data in sorted(ranks.items()):
         row.problems += [f"[rank {rank}] parity: {p}" for p in data["parity_failures"]]
+        if data["parity_failures"]:
+            row.problems += details
+            details = []
+    row.problems += details
+    if isinstance(config, ParallelConfig):
+        # Shown, not judged: a user's parallelization has no theory, and its ranks and steps
+        # may differ by design (expert routing). See [Note: model-parallel rows].
+        row.status = MISMATCH if row.problems else OK
+        return row
+    for rank, data in sorted(ranks.items()):
         if data["comm"] != first["comm"] or data["theory"] != first["theory"]:
             row.problems.append(
                 f"[rank {rank}] communication differs from rank {min(ranks)}: {data['comm']} "

@@ -21,7 +21,9 @@ import tempfile
 from collections import Counter
 from typing import Any
 
-from ._matrix import AXES, Config, row_world_size
+from ._matrix import Config, row_world_size
+from ._options import OptionError, add_row_options, parse_rows, validate_output_path
+from ._parallel import ParallelConfig
 from ._plot import draw_timeline, require_matplotlib, save_png
 
 __all__ = ["TraceSteps", "add_parser", "draw_timeline", "merge_traces", "run"]
@@ -31,30 +33,31 @@ _PHASE_TID = 0
 _PHASES = ("forward", "backward", "optimizer")
 
 
+#: ``trace``'s axes: one value each.
+TRACE_DEFAULTS = {
+    "model": ("transformer",),
+    "strategy": ("FULL_SHARD",),
+    "prefetch": ("BACKWARD_PRE",),
+    "offload": ("off",),
+    "mp": ("off",),
+    "engine": ("fsdp_core",),
+}
+
+#: ``check``'s options that do not apply to ``trace``, and why.
+CHECK_ONLY = {
+    "comm": "trace records a timeline and compares nothing with the theoretical volume",
+    "checkpoint": "checkpoint rows are check's (fsdp-testing check --checkpoint FROM:TO)",
+    "junit_xml": "trace writes no test report; its files are --json (the trace) and --png",
+}
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "trace",
         help="write a Perfetto/Chrome trace and a PNG timeline of a few steps",
         description=__doc__.splitlines()[0],
     )
-    defaults = {
-        "model": "transformer",
-        "strategy": "FULL_SHARD",
-        "prefetch": "BACKWARD_PRE",
-        "offload": "off",
-        "mp": "off",
-        "engine": "fsdp_core",
-    }
-    for axis, default in defaults.items():
-        extra = "" if axis != "engine" else ", or module:attribute"
-        parser.add_argument(
-            f"--{axis}",
-            default=default,
-            help=f"one of {', '.join(AXES[axis])}{extra} (default {default})",
-        )
-    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    add_row_options(parser, one_value=True, defaults=TRACE_DEFAULTS)
     parser.add_argument(
         "--json", default="fsdp-trace.json", metavar="PATH", help="trace file (Chrome JSON)"
     )
@@ -70,23 +73,16 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--width", type=int, default=1400, help="PNG width in pixels (at least 400)"
     )
+    for option in CHECK_ONLY:  # refused by name in run, rather than "unrecognized"
+        parser.add_argument(f"--{option.replace('_', '-')}", help=argparse.SUPPRESS)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    values = {axis: getattr(args, axis) for axis in AXES}
-    bad = [
-        f"--{axis} {value!r}"
-        for axis, value in values.items()
-        if value not in AXES[axis] and not (axis == "engine" and ":" in value)
-    ]
-    if bad or args.steps < 1 or args.world_size < 1 or args.width < 400:
-        problem = ", ".join(bad) or (
-            "--steps and --world-size must be at least 1"
-            if args.width >= 400
-            else f"--width {args.width}: give at least 400 pixels"
-        )
-        print(f"fsdp-testing trace: invalid {problem}", file=sys.stderr)
+    try:  # see [Note: options before rows]
+        config, world = _parse(args)
+    except OptionError as error:
+        print(f"fsdp-testing trace: {error}", file=sys.stderr)
         return 2
     if not args.no_png:
         try:
@@ -97,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    config = Config(**values)
-    world = row_world_size(config, args.world_size)  # hybrid: 4 ranks, [Note: hybrid rows]
     print(f"fsdp-testing trace: {config.label}, {args.steps} steps on {world} ranks")
     ranks = _record(config, args.steps, world, args.timeout)
     if ranks is None:
@@ -114,6 +108,27 @@ def run(args: argparse.Namespace) -> int:
     picture = "" if args.no_png else f" and {args.png}"
     print(f"wrote {args.json} ({len(trace['traceEvents'])} events){picture}")
     return 0
+
+
+def _parse(args: argparse.Namespace) -> tuple[Config, int]:
+    """The one configuration to trace and its world size, every option validated.
+
+    Raises:
+        OptionError: the message names the option, the value and the fix.
+    """
+    for option, why in CHECK_ONLY.items():
+        value = getattr(args, option)
+        if value is not None:
+            flag = "--" + option.replace("_", "-")
+            raise OptionError(f"{flag} {value}: check only; {why}")
+    if args.width < 400:
+        raise OptionError(f"--width {args.width}: give at least 400 pixels")
+    rows = parse_rows(args, defaults=TRACE_DEFAULTS, one_value=True)
+    validate_output_path("--json", args.json)
+    if not args.no_png:
+        validate_output_path("--png", args.png)
+    (config,) = rows.configs
+    return config, row_world_size(config, rows.world_size)  # hybrid: [Note: hybrid rows]
 
 
 @dataclasses.dataclass
@@ -135,14 +150,22 @@ class TraceSteps:
     out_dir: str
 
     def run_on_rank(self, ctx: Any) -> None:
-        from fsdp_testing.recording import record_fsdp
+        from fsdp_testing.engines import has_nested_units
+        from fsdp_testing.recording import record_comms, record_fsdp
 
-        # The same sharded model, reference and optimizer as a ``check`` row.
-        from ._rankwork import TrainingSetup
+        # The same model, reference and optimizer as a ``check`` row.
+        from ._rankwork import make_setup
 
-        models = TrainingSetup(self.config, ctx)
+        models = make_setup(self.config, ctx)
         phases: list[list[Any]] = []
-        with record_fsdp(models.sharded, engine=models.engine) as recorder:
+        # A user's mesh names the groups of its collectives ([Note: model-parallel rows]).
+        mesh = models.mesh if isinstance(self.config, ParallelConfig) else None
+        engine = models.engine
+        if engine is not None and has_nested_units(engine):
+            recorder = record_fsdp(models.sharded, engine=engine, mesh=mesh)
+        else:  # a root-only engine or a user's parallelization: collectives, no units
+            recorder = record_comms(mesh=mesh)
+        with recorder:
             for step in range(self.steps):
                 if step:
                     recorder.next_step()
@@ -155,13 +178,11 @@ class TraceSteps:
     def _step(models: Any, step: int) -> list[list[Any]]:
         from fsdp_testing.recording import now_us
 
-        test_model, device = models.test_model, models.device
         t0 = now_us()
-        models.optim.zero_grad(set_to_none=True)
-        inputs = test_model.get_input(device)
-        loss = test_model.get_loss(inputs, models.sharded(*inputs))
+        models.optim.zero_grad()
+        loss = models.forward(step)
         t1 = now_us()
-        test_model.run_backward(loss)
+        models.backward(loss)
         t2 = now_us()
         models.optim.step()
         t3 = now_us()

@@ -139,7 +139,10 @@ def resolve_engine(engine: str | FSDPEngine | None) -> FSDPEngine:
             registry (a class is instantiated), e.g. a deliberately broken engine in a test.
 
     Raises:
-        ValueError: an unknown name, or a ``module:attribute`` that cannot be imported.
+        ValueError: an unknown name, or a ``module:attribute`` whose module cannot be imported
+            or has no such attribute.
+        TypeError: ``module:attribute`` names a class that cannot be built without arguments,
+            or something that is not an engine (no ``wrap`` method).
     """
     if engine is None:
         return current_engine()
@@ -148,14 +151,35 @@ def resolve_engine(engine: str | FSDPEngine | None) -> FSDPEngine:
     if ":" not in engine:
         return get_engine(engine)
     module_name, _, attribute = engine.partition(":")
+    registered = f"give a registered name ({', '.join(available_engines())})"
     try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
         raise ValueError(
-            f"resolve_engine: cannot load engine {engine!r} ({error}); give a registered name "
-            f"({', '.join(available_engines())}) or module:attribute of an importable engine"
+            f"resolve_engine: cannot import {module_name!r} for engine {engine!r} ({error}); "
+            f"run from the directory that holds it or put it on PYTHONPATH, or {registered}"
         ) from error
-    return found() if isinstance(found, type) else found
+    found = getattr(module, attribute, None)
+    if found is None:
+        raise ValueError(
+            f"resolve_engine: {module_name} has no attribute {attribute!r} (engine {engine!r}); "
+            f"name an engine object or class defined there, or {registered}"
+        )
+    if isinstance(found, type):
+        try:
+            found = found()
+        except TypeError as error:
+            raise TypeError(
+                f"resolve_engine: the engine class {engine!r} cannot be built without arguments "
+                f"({error}); give its arguments defaults or name an engine object instead"
+            ) from error
+    if not callable(getattr(type(found), "wrap", None)):
+        raise TypeError(
+            f"resolve_engine: {engine!r} is {type(found).__name__!r}, not an engine: it has no "
+            "wrap(module, process_group, **fsdp_kwargs) method; name an object or class that "
+            f"follows fsdp_testing.engines.FSDPEngine, or {registered}"
+        )
+    return found
 
 
 @contextlib.contextmanager

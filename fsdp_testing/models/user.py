@@ -25,7 +25,7 @@ from ._base import (
     resolve_device,
 )
 
-__all__ = ["UserModel", "load_factory", "sum_of_outputs"]
+__all__ = ["UserModel", "load_factory", "random_inputs", "sum_of_outputs"]
 
 _WORKLOAD = ("get_input", "get_loss", "run_backward")
 
@@ -34,7 +34,8 @@ def load_factory(module: str, attribute: str, *, option: str) -> Callable[..., n
     """The callable ``attribute`` of the importable ``module``.
 
     Raises:
-        ValueError: it cannot be imported or is not callable (the message names ``option``).
+        ValueError: it cannot be imported (or importing it raises) or is not callable (the
+            message names ``option``).
     """
     try:
         found = getattr(importlib.import_module(module), attribute, None)
@@ -42,6 +43,11 @@ def load_factory(module: str, attribute: str, *, option: str) -> Callable[..., n
         raise ValueError(
             f"{option}: cannot import {module!r} ({error}); run from the directory that holds it "
             "or put it on PYTHONPATH"
+        ) from None
+    except Exception as error:  # the module itself raised: say so rather than a traceback
+        raise ValueError(
+            f"{option}: importing {module!r} raised {type(error).__name__}: {error}; fix the "
+            "module so that it imports"
         ) from None
     if not callable(found):
         raise ValueError(f"{option}: {module} has no callable {attribute!r}")
@@ -65,6 +71,23 @@ def sum_of_outputs(output: Any, *, what: str) -> torch.Tensor:
     return torch.stack([t.sum().float() for t in floats]).sum()
 
 
+def random_inputs(
+    inputs: Iterable[tuple[tuple[int, ...], str]], *, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """One random CPU tensor per ``(shape, dtype name)`` of ``--input-shape``, drawn from a
+    generator seeded with ``seed``: floats uniform in [0, 1), integers 0 or 1 (valid indices of
+    any embedding)."""
+    generator = torch.Generator().manual_seed(seed)
+    made = []
+    for shape, dtype_name in inputs:
+        dtype = getattr(torch, dtype_name)
+        if dtype.is_floating_point:
+            made.append(torch.rand(shape, generator=generator).to(dtype))
+        else:
+            made.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
+    return tuple(made)
+
+
 class UserModel(FSDPTestModel):
     """A user's module (``self.module``) with the :class:`FSDPTestModel` interface. Make a class
     per factory with :meth:`for_factory`; its ``init`` builds and shards like the reference
@@ -73,7 +96,7 @@ class UserModel(FSDPTestModel):
     The workload: the module's own ``get_input``, ``get_loss`` and ``run_backward`` when it has
     all three; otherwise one random tensor per ``inputs`` entry (floats uniform in [0, 1),
     integers 0 or 1, valid indices of any embedding), different per rank and the same on every
-    call, the loss :func:`sum_of_outputs` and a plain backward.
+    call (:func:`random_inputs`), the loss :func:`sum_of_outputs` and a plain backward.
 
     Args:
         module: the user's module.
@@ -134,15 +157,7 @@ class UserModel(FSDPTestModel):
                 "inputs with --input-shape (once per positional input), e.g. --input-shape "
                 "8,1024 or 8,512:int64"
             )
-        generator = torch.Generator().manual_seed(1 + self.rank)
-        made = []
-        for shape, dtype_name in self.inputs:
-            dtype = getattr(torch, dtype_name)
-            if dtype.is_floating_point:
-                made.append(torch.rand(shape, generator=generator).to(dtype))
-            else:
-                made.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
-        return tuple(t.to(device) for t in made)
+        return tuple(t.to(device) for t in random_inputs(self.inputs, seed=1 + self.rank))
 
     def get_loss(self, input: Any, output: Any) -> torch.Tensor:
         if self._own:

@@ -17,7 +17,8 @@ that none is clear ([Note: likely causes]).
 
 The package, by role: ``_training`` (the training loop), ``_reference`` (the data parallel and
 mixed precision references), ``_lockstep`` (the lockstep trainer and ``check_fsdp_parity``),
-``_user`` (``check_parity``, for a user's own code),
+``_user`` (``check_parity``, for a user's own code, and its trainer ``UserLockstep``, which
+``fsdp-testing check --parallelize`` steps too),
 ``_compare`` (divergences and the rule), ``_causes`` (the likely causes of a divergence: pure
 analysis of typed evidence), ``_explain`` (what a lockstep keeps for them and the exchange
 between ranks on a failure, [Note: keeping the evidence]), ``_resume`` (a DCP checkpoint

@@ -25,6 +25,7 @@ larger worlds the summation order differs and [Note: parity rule]'s ``FP32_TOLER
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -43,7 +44,7 @@ from ._mesh import MeshLayout, full_state_of, shard_lines
 from ._reference import build_reference
 from ._training import TrainingLoop
 
-__all__ = ["REFERENCES", "check_parity", "mean_square_loss"]
+__all__ = ["REFERENCES", "UserLockstep", "check_parity", "mean_square_loss"]
 
 #: The references :func:`check_parity` trains against. See [Note: the user's reference].
 REFERENCES = ("ddp", "local")
@@ -216,150 +217,280 @@ def check_parity(
     Returns:
         one :class:`StepReport` per step (this rank's losses and differences).
     """
-    if wrap is None and step_fn is None:
-        raise ValueError(
-            f"{_API}: wrap=None and step_fn=None leave none of your code to test; pass your "
-            "wrapping function wrap(module, process_group), your step function "
-            "step_fn(model, batch), or both"
-        )
-    if reference not in REFERENCES:
-        raise ValueError(
-            f"{_API}: unknown reference {reference!r}; valid: {', '.join(map(repr, REFERENCES))}"
-        )
     if num_steps < 1 or accum_steps < 1:
         raise ValueError(
             f"{_API}: num_steps={num_steps} and accum_steps={accum_steps} must be at least 1"
         )
-    if mesh is None and (dp_dims is not None or layout is not None):
-        raise ValueError(
-            f"{_API}: dp_dims and layout describe a device mesh; pass mesh=<the DeviceMesh the "
-            "code runs on> as well"
-        )
-    group = process_group if process_group is not None else default_process_group()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    target = resolve_device(device)
-    place = MeshLayout(mesh, dp_dims, layout) if mesh is not None else None
-    # See [Note: model-parallel parity]: the batch follows the data-parallel coordinate.
-    data_rank = place.dp_rank if place is not None else rank
-    data_world = place.dp_world if place is not None else world
-    ref_group = group if place is None else place.dp_group()
-    if ref_group is None:
-        reference = "local"  # one replica on every rank: nothing to run DDP over
-
-    plain = _build(build_model, seed).to(target)
-    under_test = _build(build_model, seed).to(target)
-    different = compare_named(
-        list(plain.state_dict().items()), list(under_test.state_dict().items()), exact=True
-    )
-    if different:
-        raise ValueError(
-            f"{_API}: two calls of build_model() under torch.manual_seed({seed}) gave different "
-            f"models:\n{format_divergences(different)}\nbuild the model deterministically "
-            "(no other random source than torch's global generator)"
-        )
-    ref_names = {name for name, _ in plain.named_parameters()}
-
-    def on_device(batch: Any) -> Any:
-        return tree_map(lambda t: t.to(target) if torch.is_tensor(t) else t, batch)
-
-    wrapped = wrap(under_test, group) if wrap is not None else under_test
-    state: Callable[[Any], Mapping[str, torch.Tensor]]
-    if full_state is None:
-        if not isinstance(wrapped, nn.Module):
-            raise TypeError(
-                f"{_API}: wrap returned {type(wrapped).__name__}, not an nn.Module, so its "
-                "parameters cannot be read; pass full_state=lambda wrapped: {name: full "
-                "tensor} and wrapped_optimizer=lambda wrapped: its optimizer"
-            )
-        module = wrapped
-
-        def named_like_model(_: Any) -> dict[str, torch.Tensor]:
-            return full_state_of(module, place, lambda n: _match_name(n, ref_names))
-
-        state = named_like_model
-    else:
-        state = full_state
-    if wrapped_optimizer is not None:
-        optimizer = wrapped_optimizer(wrapped)
-    elif isinstance(wrapped, nn.Module):
-        optimizer = make_optimizer(wrapped.parameters())
-    else:
-        raise TypeError(
-            f"{_API}: wrap returned {type(wrapped).__name__}, which has no parameters() to "
-            "optimize; pass wrapped_optimizer=lambda wrapped: the optimizer that steps it"
-        )
-    under_test_loop = TrainingLoop(
-        wrapped,
-        batches=lambda i: on_device(get_batch(i, data_rank)),
+    run = UserLockstep.build(
+        build_model,
+        wrap,
+        get_batch,
+        process_group=process_group,
+        reference=reference,
         loss_fn=loss_fn,
         step_fn=step_fn,
-        optimizer=optimizer,
+        make_optimizer=make_optimizer,
+        wrapped_optimizer=wrapped_optimizer,
+        full_state=full_state,
         accum_steps=accum_steps,
-        full_state=state,
-        device=target,
+        device=device,
+        exact=exact,
+        tolerance=tolerance,
+        seed=seed,
+        mesh=mesh,
+        dp_dims=dp_dims,
+        layout=layout,
     )
-    if reference == "ddp":
-        assert ref_group is not None  # a mesh with no data-parallel dim trains "local"
-        ddp, _ = build_reference(plain, process_group=ref_group, device=target)
-        reference_loop = TrainingLoop(
-            ddp,
-            batches=lambda i: on_device(get_batch(i, data_rank)),
-            loss_fn=loss_fn,
-            optimizer=make_optimizer(ddp.parameters()),
-            accum_steps=accum_steps,
-            device=target,
-        )
-        reference_name = "DistributedDataParallel"
-    else:
-
-        def every_rank(model: Any, batches: list[Any]) -> torch.Tensor:
-            # See [Note: the user's reference]
-            losses = [loss_fn(model, batch) for batch in batches]
-            total = losses[0]
-            for loss in losses[1:]:
-                total = total + loss
-            (total / (data_world * accum_steps)).backward()
-            return losses[data_rank]
-
-        reference_loop = TrainingLoop(
-            plain,
-            batches=lambda i: [on_device(get_batch(i, r)) for r in range(data_world)],
-            step_fn=every_rank,
-            optimizer=make_optimizer(plain.parameters()),
-            accum_steps=accum_steps,
-            device=target,
-        )
-        reference_name = f"local: one process, the batches of all {data_world} ranks"
-    _validate_names(
-        reference_loop.named_full_params(),
-        under_test_loop.named_full_params(),
-        custom=full_state is not None,
-    )
-    rule = ParityRule(exact=exact, loss=tolerance, params=tolerance)
-    lockstep = Lockstep(reference_loop, under_test_loop, rule=rule)
-    where = f"{_API}[{type(wrapped).__name__}, reference {reference}]"
     reports = []
     for _ in range(num_steps):
-        report = lockstep.step()
-        raise_on_divergence(
-            report,
-            where=where,
-            reference=reference_name,
-            num_steps=num_steps,
-            group=group,
-            subject="wrapped",
-            causes=functools.partial(lockstep.explain, report, group=group),
-            details=None
-            if place is None or not isinstance(wrapped, nn.Module)
-            else functools.partial(
-                shard_lines,
-                wrapped,
-                place,
-                lambda n: _match_name(n, ref_names),
-                dict(reference_loop.named_full_params()),
-                [d.name for d in report.divergences],
-                tolerance,
-            ),
-        )
+        report = run.step()
+        run.raise_on_divergence(report, num_steps=num_steps)
         reports.append(report)
     return tuple(reports)
+
+
+class UserLockstep:
+    """:func:`check_parity`'s trainer, built and not yet trained: the user's code and its
+    reference in one :class:`Lockstep`, with where the failure report comes from. ``check_parity``
+    steps it ``num_steps`` times; ``fsdp-testing check`` and ``trace`` step it in their
+    model-parallel rows (see [Note: model-parallel rows] in ``fsdp_testing/cli/_parallel.py``),
+    so the library and the command line share one trainer. Build it with :meth:`build`.
+
+    Args:
+        lockstep: the reference's and the wrapped model's training loops.
+        group: the ranks that train (they agree on every verdict).
+        where: the check, as failures name it.
+        reference_name: the reference, as failures name it.
+        details: the per-shard lines of a divergence (a collective; None without a mesh).
+    """
+
+    def __init__(
+        self,
+        lockstep: Lockstep,
+        *,
+        group: dist.ProcessGroup,
+        where: str,
+        reference_name: str,
+        details: Callable[[StepReport], list[str]] | None,
+    ) -> None:
+        self.lockstep = lockstep
+        self.group = group
+        self.where = where
+        self.reference_name = reference_name
+        self._details = details
+
+    @property
+    def wrapped(self) -> Any:
+        """What ``wrap`` returned (the module when ``wrap`` is None): what is trained."""
+        return self.lockstep.sharded.model
+
+    @classmethod
+    def build(
+        cls,
+        build_model: Callable[[], nn.Module],
+        wrap: Callable[[nn.Module, dist.ProcessGroup], Any] | None,
+        get_batch: Callable[[int, int], Any],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        reference: str = "ddp",
+        loss_fn: Callable[[Any, Any], torch.Tensor] = mean_square_loss,
+        step_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        make_optimizer: Callable[[Iterable[nn.Parameter]], Any] = _sgd_momentum,
+        wrapped_optimizer: Callable[[Any], Any] | None = None,
+        full_state: Callable[[Any], Mapping[str, torch.Tensor]] | None = None,
+        accum_steps: int = 1,
+        device: torch.device | str | None = None,
+        exact: bool = False,
+        tolerance: Tolerance = FP32_TOLERANCE,
+        seed: int = 0,
+        mesh: Any = None,
+        dp_dims: str | int | Sequence[str | int] | None = None,
+        layout: Mapping[str, int | tuple[int, str | int]] | None = None,
+    ) -> UserLockstep:
+        """Builds both models, wraps one, and checks that they start equal and name the same
+        parameters. The arguments are :func:`check_parity`'s (less ``num_steps``).
+
+        Raises:
+            ValueError: an argument is out of range, or the two builds or their parameter names
+                differ (the message names the argument and the fix).
+            TypeError: what ``wrap`` returned cannot be read or optimized without
+                ``full_state`` / ``wrapped_optimizer``.
+        """
+        if wrap is None and step_fn is None:
+            raise ValueError(
+                f"{_API}: wrap=None and step_fn=None leave none of your code to test; pass your "
+                "wrapping function wrap(module, process_group), your step function "
+                "step_fn(model, batch), or both"
+            )
+        if reference not in REFERENCES:
+            raise ValueError(
+                f"{_API}: unknown reference {reference!r}; valid: "
+                f"{', '.join(map(repr, REFERENCES))}"
+            )
+        if accum_steps < 1:
+            raise ValueError(f"{_API}: accum_steps={accum_steps} must be at least 1")
+        if mesh is None and (dp_dims is not None or layout is not None):
+            raise ValueError(
+                f"{_API}: dp_dims and layout describe a device mesh; pass mesh=<the DeviceMesh the "
+                "code runs on> as well"
+            )
+        group = process_group if process_group is not None else default_process_group()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        target = resolve_device(device)
+        place = MeshLayout(mesh, dp_dims, layout) if mesh is not None else None
+        # See [Note: model-parallel parity]: the batch follows the data-parallel coordinate.
+        data_rank = place.dp_rank if place is not None else rank
+        data_world = place.dp_world if place is not None else world
+        ref_group = group if place is None else place.dp_group()
+        if ref_group is None:
+            reference = "local"  # one replica on every rank: nothing to run DDP over
+
+        plain = _build(build_model, seed).to(target)
+        under_test = _build(build_model, seed).to(target)
+        different = compare_named(
+            list(plain.state_dict().items()), list(under_test.state_dict().items()), exact=True
+        )
+        if different:
+            raise ValueError(
+                f"{_API}: two calls of build_model() under torch.manual_seed({seed}) gave "
+                f"different models:\n{format_divergences(different)}\nbuild the model "
+                "deterministically (no other random source than torch's global generator)"
+            )
+        ref_names = {name for name, _ in plain.named_parameters()}
+
+        def on_device(batch: Any) -> Any:
+            return tree_map(lambda t: t.to(target) if torch.is_tensor(t) else t, batch)
+
+        wrapped = wrap(under_test, group) if wrap is not None else under_test
+        state: Callable[[Any], Mapping[str, torch.Tensor]]
+        if full_state is None:
+            if not isinstance(wrapped, nn.Module):
+                raise TypeError(
+                    f"{_API}: wrap returned {type(wrapped).__name__}, not an nn.Module, so its "
+                    "parameters cannot be read; pass full_state=lambda wrapped: {name: full "
+                    "tensor} and wrapped_optimizer=lambda wrapped: its optimizer"
+                )
+            module = wrapped
+
+            def named_like_model(_: Any) -> dict[str, torch.Tensor]:
+                return full_state_of(module, place, lambda n: _match_name(n, ref_names))
+
+            state = named_like_model
+        else:
+            state = full_state
+        if wrapped_optimizer is not None:
+            optimizer = wrapped_optimizer(wrapped)
+        elif isinstance(wrapped, nn.Module):
+            optimizer = make_optimizer(wrapped.parameters())
+        else:
+            raise TypeError(
+                f"{_API}: wrap returned {type(wrapped).__name__}, which has no parameters() to "
+                "optimize; pass wrapped_optimizer=lambda wrapped: the optimizer that steps it"
+            )
+        under_test_loop = TrainingLoop(
+            wrapped,
+            batches=lambda i: on_device(get_batch(i, data_rank)),
+            loss_fn=loss_fn,
+            step_fn=step_fn,
+            optimizer=optimizer,
+            accum_steps=accum_steps,
+            full_state=state,
+            device=target,
+        )
+        if reference == "ddp":
+            assert ref_group is not None  # a mesh with no data-parallel dim trains "local"
+            ddp, _ = build_reference(plain, process_group=ref_group, device=target)
+            reference_loop = TrainingLoop(
+                ddp,
+                batches=lambda i: on_device(get_batch(i, data_rank)),
+                loss_fn=loss_fn,
+                optimizer=make_optimizer(ddp.parameters()),
+                accum_steps=accum_steps,
+                device=target,
+            )
+            reference_name = "DistributedDataParallel"
+        else:
+
+            def every_rank(model: Any, batches: list[Any]) -> torch.Tensor:
+                # See [Note: the user's reference]
+                losses = [loss_fn(model, batch) for batch in batches]
+                total = losses[0]
+                for loss in losses[1:]:
+                    total = total + loss
+                (total / (data_world * accum_steps)).backward()
+                return losses[data_rank]
+
+            reference_loop = TrainingLoop(
+                plain,
+                batches=lambda i: [on_device(get_batch(i, r)) for r in range(data_world)],
+                step_fn=every_rank,
+                optimizer=make_optimizer(plain.parameters()),
+                accum_steps=accum_steps,
+                device=target,
+            )
+            reference_name = f"local: one process, the batches of all {data_world} ranks"
+        _validate_names(
+            reference_loop.named_full_params(),
+            under_test_loop.named_full_params(),
+            custom=full_state is not None,
+        )
+        rule = ParityRule(exact=exact, loss=tolerance, params=tolerance)
+        lockstep = Lockstep(reference_loop, under_test_loop, rule=rule)
+        details: Callable[[StepReport], list[str]] | None = None
+        if place is not None and isinstance(wrapped, nn.Module):
+            layout_of = place
+
+            def shard_details(report: StepReport) -> list[str]:
+                return shard_lines(
+                    wrapped,
+                    layout_of,
+                    lambda n: _match_name(n, ref_names),
+                    dict(reference_loop.named_full_params()),
+                    [d.name for d in report.divergences],
+                    tolerance,
+                )
+
+            details = shard_details
+        return cls(
+            lockstep,
+            group=group,
+            where=f"{_API}[{type(wrapped).__name__}, reference {reference}]",
+            reference_name=reference_name,
+            details=details,
+        )
+
+    def step(
+        self, *, around_wrapped: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    ) -> StepReport:
+        """Trains the reference one step, then the user's code, and compares them.
+
+        Args:
+            around_wrapped: a context manager factory entered around the user's code's step
+                only (``fsdp-testing check`` counts its collectives and times it there).
+        """
+        return self.lockstep.step(around_sharded=around_wrapped)
+
+    def details(self, report: StepReport) -> list[str]:
+        """On a mesh, for each tensor that diverged in ``report``, the mesh coordinates whose
+        shards differ from the reference's (a collective over the world: every rank calls it
+        after the same step); empty without a mesh."""
+        return self._details(report) if self._details is not None else []
+
+    def raise_on_divergence(self, report: StepReport, *, num_steps: int) -> None:
+        """Raises ``AssertionError`` on every rank if any rank's ``report`` diverged (a
+        collective: see :func:`raise_on_divergence`).
+
+        Args:
+            report: this rank's step.
+            num_steps: the steps the check trains (for the message).
+        """
+        raise_on_divergence(
+            report,
+            where=self.where,
+            reference=self.reference_name,
+            num_steps=num_steps,
+            group=self.group,
+            subject="wrapped",
+            causes=functools.partial(self.lockstep.explain, report, group=self.group),
+            details=None if self._details is None else functools.partial(self._details, report),
+        )

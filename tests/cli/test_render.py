@@ -288,3 +288,31 @@ def test_a_mismatch_lists_its_likely_causes_after_its_problems_plain_and_rich():
     console, out = _terminal(200)
     print_results(console, rows, 1.0)
     assert f"likely cause: {mismatch.causes[0]}" in out.getvalue()
+
+
+def test_a_model_parallel_row_shows_where_its_batch_comes_from_plain_and_rich():
+    from fsdp_testing.cli._parallel import ParallelConfig
+
+    config = ParallelConfig(
+        model="tensor_parallel:build_mlp", strategy="-", prefetch="-", offload="-", mp="-",
+        engine="tensor_parallel:data_and_tensor_parallel",
+        parallelize="tensor_parallel:data_and_tensor_parallel", reference="data-parallel",
+        mesh=(("dp", 2), ("tp", 2)), dp_dims=("dp",),
+    )  # fmt: skip
+    row = RowResult(config, "ok", loss_diff=4.8e-7, param_diff=3e-8,
+                    comm={"all_reduce": (1, 192)}, peak_rss=[272 * MiB] * 4)  # fmt: skip
+    label = (
+        "tensor_parallel:build_mlp parallelize=tensor_parallel:data_and_tensor_parallel "
+        "mesh dp=2,tp=2 dp-dims=dp"
+    )
+    out = io.StringIO()
+    print_results(make_console(out), [row], 1.0)
+    assert f"{label}  ok" in out.getvalue()
+    console, out = _terminal(120)
+    print_results(console, [row], 1.0)
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert "parallelize: tensor_parallel:data_and_tensor_parallel" in lines
+    (cells,) = [line for line in lines if line.startswith("mesh dp=2,tp=2 dp-dims=dp")]
+    assert cells.split()[3:9] == ["ok", "4.8e-07", "3.0e-08", "-", "1", "AR"], cells
+    assert "n/a" in cells.split()  # no theory of a user's parallelization
+    assert "a --parallelize row's configuration: where its batch comes from" in " ".join(lines)
