@@ -284,6 +284,9 @@ FILES = {
 }
 
 
+PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly")
+
+
 def _session(folder: Path, *args: str) -> tuple[float, float, int]:
     """Run pytest in ``folder``: its wall time, the slowest first distributed test of any of
     its workers, and the number of tests."""
@@ -293,7 +296,7 @@ def _session(folder: Path, *args: str) -> tuple[float, float, int]:
         old.unlink()
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *args],
+        [*PYTEST, *args],
         cwd=folder,
         capture_output=True,
         text=True,
@@ -336,7 +339,7 @@ def main() -> None:
             for kind, extra in kinds.items():  # alternating, so drift hits both alike
                 runs[kind].append(_session(folder, *extra))
     (serial, parallel) = kinds
-    ratios = [p[0] / s[0] for s, p in zip(runs[serial], runs[parallel])]
+    ratios = [p[0] / s[0] for s, p in zip(runs[serial], runs[parallel], strict=True)]
     figures = {
         kind: {
             "wall_s": statistics.median(r[0] for r in runs[kind]),
