@@ -301,7 +301,11 @@ def _session(folder: Path, *args: str) -> tuple[float, float, int]:
         capture_output=True,
         text=True,
         timeout=1800,
-        env={**os.environ, "PYTHONPATH": str(folder), "XDIST_SPEED_OUT": str(out)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]),
+            "XDIST_SPEED_OUT": str(out),
+        },
     )
     wall = time.monotonic() - start
     if proc.returncode != 0:

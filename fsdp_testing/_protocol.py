@@ -7,8 +7,9 @@ Nothing here imports torch, so the parent can build tasks before any rank exists
 Three kinds of process talk over ``multiprocessing`` connections on one Unix socket:
 
 - parent -> fork server: :class:`ForkRanks` (answered by :class:`Forked`),
-  :class:`StatusQuery` (answered by :class:`Statuses`) and :class:`Stop`;
-  the fork server greets the parent with :class:`ServerHello`.
+  :class:`StatusQuery` (answered by :class:`Statuses`), :class:`Preload` and :class:`Stop`;
+  the fork server greets the parent with :class:`ServerHello`. A fork server shared by the
+  xdist workers of a session serves each worker so, on a connection of its own.
 - rank -> parent, once: :class:`RankHello` on connecting, then :class:`RankReady` or
   :class:`RankInitFailed` after joining the process group.
 - parent -> rank, per test: a pickled :class:`Task` (answered by a :class:`RankResult`, then,
@@ -34,6 +35,7 @@ __all__ = [
     "FunctionRef",
     "GenerationSpec",
     "Outcome",
+    "Preload",
     "RankFixture",
     "RankHello",
     "RankInitFailed",
@@ -217,11 +219,21 @@ class GenerationSpec:
     preload: tuple[str, ...] = ()
     """Modules that earlier ranks imported, for the forking process to import before it forks
     these (see [Note: preloading what ranks import] in ``rank_process.py``)."""
+    env: dict[str, str] | None = None
+    """The environment the ranks run in (None: the forking process's): a fork server that
+    serves every xdist worker of a session was started by none of them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ForkRanks:
     spec: GenerationSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Preload:
+    """Import these modules now, before the next fork (no answer)."""
+
+    names: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,12 +37,16 @@ __all__ = [
     "finish_job",
     "get_launcher",
     "last_observation",
+    "preload_for_rank_processes",
     "resolve_backend",
     "run_distributed",
     "session_settings",
     "set_session_settings",
+    "set_shared_fork_server",
     "shutdown",
     "start_job",
+    "start_rank_processes_early",
+    "stop_rank_processes",
 ]
 
 
@@ -162,6 +166,17 @@ def finish_job(exit_status: int) -> None:
         launcher.release(exit_status)
 
 
+_shared_fork_server: str | None = None
+
+
+def set_shared_fork_server(address: str | None) -> None:
+    """Fork process-mode ranks from the fork server at ``address`` (an xdist worker's, shared
+    with the session's other workers: see [Note: one fork server for the xdist workers] in
+    ``_launch/shared_fork_server.py``); None: a fork server of this process's own."""
+    global _shared_fork_server
+    _shared_fork_server = address
+
+
 def get_launcher(mode: Mode) -> Launcher:
     """The session's launcher for ``mode``, created on first use. In a launched job (after
     :func:`start_job`) every process-mode test runs on the job's ranks."""
@@ -171,7 +186,7 @@ def get_launcher(mode: Mode) -> Launcher:
         if mode is Mode.PROCESS:
             from fsdp_testing._launch.pool import ProcessLauncher
 
-            launcher = ProcessLauncher()
+            launcher = ProcessLauncher(_shared_fork_server)
         elif mode is Mode.LOCAL:
             from fsdp_testing._launch.local import LocalLauncher
 
@@ -186,6 +201,40 @@ def get_launcher(mode: Mode) -> Launcher:
             launcher = ThreadLauncher()
         _launchers[key] = launcher
     return launcher
+
+
+def _process_launcher() -> ProcessLauncher | None:
+    """Process mode's launcher, unless this is a launched job (whose processes are the ranks)."""
+    from fsdp_testing._launch.pool import ProcessLauncher
+
+    launcher = get_launcher(Mode.PROCESS)
+    return launcher if isinstance(launcher, ProcessLauncher) else None
+
+
+def start_rank_processes_early() -> None:
+    """Start process mode's fork server now, without waiting for it (see [Note: starting the
+    fork server early] in ``_launch/pool.py``)."""
+    launcher = _process_launcher()
+    if launcher is not None:
+        launcher.start_fork_server()
+
+
+def preload_for_rank_processes() -> None:
+    """Have the fork server import what this process imported (the test modules' imports)
+    before it forks ranks; returns at once."""
+    from fsdp_testing._launch.rank_process import parent_modules
+
+    launcher = _process_launcher()
+    if launcher is not None:
+        launcher.preload(parent_modules())
+
+
+def stop_rank_processes() -> None:
+    """End process mode's fork server and ranks, if started (no test of the session needs
+    them)."""
+    launcher = _launchers.pop(Mode.PROCESS.value, None)
+    if launcher is not None:
+        launcher.shutdown()
 
 
 def run_distributed(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -78,6 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from fsdp_testing.launcher import set_session_settings
 
         set_session_settings(settings)
+        _use_shared_fork_server(config)
         _select_engine(config)
         _export_coverage()  # before a job's helper slot starts
         if _job() is not None:
@@ -170,12 +172,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         session.config.stash[_seed_key] = seeds.export_for_ranks(session.config)
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     from fsdp_testing._integrations import seeds
+    from fsdp_testing._launch.shared_fork_server import workers_note
 
     # The header comes before pytest_sessionstart.
     seed = seeds.session_seed(config, in_a_job=_job() is not None)
-    return None if seed is None else seeds.describe(seed)
+    lines = [] if seed is None else [seeds.describe(seed)]
+    note = workers_note(config)
+    return lines if note is None else [*lines, note]
 
 
 def _add_rank_properties(item: pytest.Function, failed: bool) -> None:
@@ -298,6 +303,44 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     return None
 
 
+# --- pytest-xdist: one fork server for the workers -----------------------------------------
+# See [Note: one fork server for the xdist workers] in _launch/shared_fork_server.py.
+
+_shared_server_key = pytest.StashKey[Any]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller, for each worker it starts: the shared fork server's address."""
+    from fsdp_testing._launch.shared_fork_server import WORKERINPUT_KEY, SharedForkServer
+
+    config = node.config
+    if _shared_server_key not in config.stash:
+        config.stash[_shared_server_key] = SharedForkServer()
+    try:
+        node.workerinput[WORKERINPUT_KEY] = config.stash[_shared_server_key].start()
+    except (OSError, RuntimeError) as exc:  # each worker starts its own, as before
+        warnings.warn(f"{exc}; each xdist worker starts its own fork server", stacklevel=1)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``/``-n logical``: one worker per two cores, none below four; see [Note: how
+    many xdist workers] in ``_launch/shared_fork_server.py``."""
+    from fsdp_testing._launch.shared_fork_server import auto_workers
+
+    return auto_workers()
+
+
+def _use_shared_fork_server(config: pytest.Config) -> None:
+    """An xdist worker: fork ranks from the controller's fork server, if it has one."""
+    from fsdp_testing._launch.shared_fork_server import WORKERINPUT_KEY
+    from fsdp_testing.launcher import set_shared_fork_server
+
+    workerinput = getattr(config, "workerinput", None) or {}
+    set_shared_fork_server(workerinput.get(WORKERINPUT_KEY))
+
+
 def _select_engine(config: pytest.Config) -> None:
     name = config.getoption("fsdp_engine") or config.getini("fsdp_engine")
     if not name:
@@ -326,12 +369,61 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # A session that never finished failed to configure: pytest exits with 4 then.
         launcher.finish_job(config.stash.get(_exit_status_key, pytest.ExitCode.USAGE_ERROR))
         launcher.shutdown()
+    if _shared_server_key in config.stash:
+        config.stash[_shared_server_key].stop()
     if "fsdp_testing._integrations.rank_coverage" in sys.modules:
         sys.modules["fsdp_testing._integrations.rank_coverage"].combine_into_session()
     if _pdb_dir_key in config.stash:
         import shutil
 
         shutil.rmtree(config.stash[_pdb_dir_key], ignore_errors=True)
+
+
+# See [Note: starting the fork server early] in _launch/pool.py.
+_early_key = pytest.StashKey[bool]()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    config = item.config
+    if config.stash.get(_early_key, False) or not _runs_on_rank_processes(item):
+        return
+    config.stash[_early_key] = True
+    if config.option.collectonly or _job() is not None:
+        return
+    from fsdp_testing.launcher import start_rank_processes_early
+
+    start_rank_processes_early()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    config = session.config
+    if not config.stash.get(_early_key, False) or config.option.collectonly or _job():
+        return
+    from fsdp_testing.launcher import preload_for_rank_processes, stop_rank_processes
+
+    if any(_runs_on_rank_processes(item) for item in session.items):
+        preload_for_rank_processes()
+    else:  # every such test was deselected
+        stop_rank_processes()
+
+
+def _runs_on_rank_processes(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on rank processes: a process-mode marker, or a unittest class of
+    ours in process mode."""
+    try:
+        spec = spec_of_item(item)
+    except (TypeError, ValueError):
+        return False
+    if spec is not None:
+        return spec.mode is Mode.PROCESS
+    testcase = sys.modules.get("fsdp_testing.testcase")  # not imported: no class of ours
+    cls = getattr(item, "cls", None)
+    if testcase is None or not isinstance(cls, type):
+        return False
+    if not issubclass(cls, testcase._DistributedTestCase):
+        return False
+    mode = getattr(cls, "dist_mode", None) or cls._mode  # type: ignore[attr-defined]
+    return bool(mode == Mode.PROCESS)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

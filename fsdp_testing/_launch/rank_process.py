@@ -50,6 +50,7 @@ __all__ = [
     "connect",
     "die_with_parent",
     "imports_file",
+    "parent_modules",
     "preload",
     "preload_modules",
     "preloadable",
@@ -196,6 +197,31 @@ class ImportWatch:
         names = list(sys.modules)[self._seen :]  # dicts keep insertion order
         self._seen = len(sys.modules)
         return tuple(name for name in names if preloadable(name))
+
+
+# Modules whose first use imports ``torch._dynamo`` (and sympy, torch.fx, ...: some 180 modules,
+# 0.7 s of CPU on an idle machine, seconds per rank on a busy one), measured on torch 2.13: a
+# DDP forward, ``fully_shard``, a DTensor op, ``parallelize_module``. A parent that imported one
+# of them will have ranks that import dynamo in their first test.
+_FIRST_USE_IMPORTS_DYNAMO = (
+    "torch.nn.parallel.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+    "fsdp_core",
+)
+
+
+def parent_modules() -> tuple[str, ...]:
+    """What ranks will import, as this process (the pytest session, after collecting) knows it:
+    its own preloadable modules, in the order it imported them (a rank imports the test modules,
+    so their imports too), and ``torch._dynamo`` where one of them imports it on first use."""
+    names = [name for name in list(sys.modules) if preloadable(name)]
+    if "torch._dynamo" not in sys.modules and any(
+        m in sys.modules for m in _FIRST_USE_IMPORTS_DYNAMO
+    ):
+        names.append("torch._dynamo")
+    return tuple(names)
 
 
 def preload_modules(names: Iterable[str], *, beat: Callable[[], None] | None = None) -> None:
