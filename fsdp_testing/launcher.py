@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from fsdp_testing._launch.base import Launcher
 from fsdp_testing._launch.spec import DEFAULT_TIMEOUT_S, DistSpec, Mode
 from fsdp_testing._launch.torchrun import job_env
-from fsdp_testing._protocol import Task
+from fsdp_testing._protocol import FunctionRef, Task
 from fsdp_testing._report.expectation import ExpectedFailure
 from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.verdict import Verdict, VerdictOutcome, judge
@@ -335,6 +335,29 @@ def send_ahead(
         timeout=_timeout(spec, settings, limit),
     )
     return None if sent is None else SentAhead(launcher, sent)
+
+
+def tear_down_rank_fixture(key: str) -> None:
+    """Tear down, on every warm rank process that keeps it, the broader-scoped fixture kept
+    under ``key``: its scope ended in the parent (see [Note: fixtures on the ranks] in
+    ``fsdp_testing/_rank/fixtures.py``). A rank's error fails the teardown of the test that
+    ended the scope, with the ranks' report."""
+    launcher = _launchers.get(Mode.PROCESS.value)
+    from fsdp_testing._launch.pool import ProcessLauncher
+
+    if not isinstance(launcher, ProcessLauncher):
+        return
+    task = Task(
+        target=FunctionRef("fsdp_testing._rank.fixtures", None, "tear_down_key"),
+        kwargs={"key": key},
+        test_id=f"teardown of {key}",
+    )
+    for obs in launcher.run_on_warm_ranks(task, timeout=_settings.timeout):
+        verdict = _judge(obs, None)
+        if verdict.outcome is VerdictOutcome.FAILED:
+            import pytest
+
+            pytest.fail(verdict.message, pytrace=False)  # the report is the ranks'
 
 
 def shutdown() -> None:

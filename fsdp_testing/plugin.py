@@ -18,11 +18,12 @@ import pytest
 from fsdp_testing._launch.fixtures import (
     device,
     dist_backend,
+    fail_if_refused,
     process_group,
     pytest_fixture_setup,
     rank,
+    refuse_at_setup,
     refuse_outside_distributed_tests,
-    validate_rank_side_fixtures,
     world_size,
 )
 from fsdp_testing._launch.marker_items import parametrize, spec_of, spec_of_item
@@ -433,7 +434,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     except (TypeError, ValueError):
         return  # the test fails alone when it runs, naming the marker's error
     if spec is not None:
-        validate_rank_side_fixtures(metafunc, spec)
+        refuse_at_setup(metafunc, spec)
 
 
 _spec_of = spec_of
@@ -460,6 +461,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
     if spec is None:
         refuse_outside_distributed_tests(item)
         return (yield)
+    fail_if_refused(item)
     from fsdp_testing.launcher import UnavailableBackend, resolve_backend
 
     try:

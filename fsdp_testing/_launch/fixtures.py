@@ -9,6 +9,7 @@ is how pytest finds them. Nothing here imports torch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -20,10 +21,12 @@ from fsdp_testing._protocol import FunctionRef, RankFixture, RankSideFixture
 __all__ = [
     "device",
     "dist_backend",
+    "fail_if_refused",
     "process_group",
     "pytest_fixture_setup",
     "rank",
     "rank_side_fixtures",
+    "refuse_at_setup",
     "refuse_outside_distributed_tests",
     "validate_rank_side_fixtures",
     "world_size",
@@ -124,31 +127,51 @@ def rank_side_fixtures(closure: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def validate_rank_side_fixtures(metafunc: pytest.Metafunc, spec: DistSpec) -> None:
-    """At collection, refuse what a fixture that runs on the ranks cannot be: one scoped beyond
-    a test where a rank's process group lives for one test (thread, local and fake mode), one
-    defined in a class (a rank process cannot build the instance)."""
+def validate_rank_side_fixtures(metafunc: pytest.Metafunc, spec: DistSpec) -> str | None:
+    """What a fixture that runs on the ranks cannot be, found at collection (None: nothing):
+    one scoped beyond a test where a rank's process group lives for one test (thread, local and
+    fake mode), one defined in a class (a rank process cannot build the instance). The plugin
+    fails the test with it at setup, that test alone (``refuse_at_setup``)."""
     closure = getattr(metafunc, "_arg2fixturedefs", {})
     for name, fixturedef in rank_side_fixtures(closure).items():
         scope = str(getattr(fixturedef, "scope", "function"))
         if scope != "function" and spec.mode is not Mode.PROCESS:
-            pytest.fail(
+            return (
                 f"{metafunc.definition.nodeid}: fixture {name!r} (scope={scope!r}) requests a "
                 f"rank fixture, so it runs on each rank; in mode={spec.mode.value!r} a rank's "
                 "process group lives for one test. Make it scope='function', or use "
-                "mode='process' (warm rank processes keep it for its scope).",
-                pytrace=False,
+                "mode='process' (warm rank processes keep it for its scope)."
             )
         func = getattr(fixturedef, "func", None)
         qualname = getattr(func, "__qualname__", "")
         if spec.mode is Mode.PROCESS and ("." in qualname or "<locals>" in qualname):
-            pytest.fail(
+            return (
                 f"{metafunc.definition.nodeid}: fixture {name!r} requests a rank fixture, so "
                 f"each rank process sets it up, and it must import it: {qualname} is not a "
                 "module-level function. Define it in the test module or a conftest.py, or use "
-                "mode='thread'.",
-                pytrace=False,
+                "mode='thread'."
             )
+    return None
+
+
+_refused_key = pytest.StashKey["dict[str, str]"]()
+
+
+def refuse_at_setup(metafunc: pytest.Metafunc, spec: DistSpec) -> None:
+    """``pytest_generate_tests``: remember what ``validate_rank_side_fixtures`` found, for
+    ``fail_if_refused`` (a collection error would stop the whole session)."""
+    problem = validate_rank_side_fixtures(metafunc, spec)
+    if problem is not None:
+        refused = metafunc.config.stash.setdefault(_refused_key, {})
+        refused[metafunc.definition.nodeid] = problem
+
+
+def fail_if_refused(item: pytest.Item) -> None:
+    """At setup, before any fixture: fail ``item`` with its fixtures' problem, if any."""
+    refused = item.config.stash.get(_refused_key, {})
+    problem = refused.get(item.nodeid.partition("[")[0])
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -183,7 +206,16 @@ def pytest_fixture_setup(fixturedef: Any, request: Any) -> Any:
         param=param,
     )
     fixturedef.cached_result = (placeholder, cache_key, None)
+    if placeholder.scope != "function" and spec.mode is Mode.PROCESS:
+        # Its scope ends in the parent: see [Note: fixtures on the ranks].
+        fixturedef.addfinalizer(functools.partial(_tear_down_on_ranks, placeholder.key))
     return placeholder
+
+
+def _tear_down_on_ranks(key: str) -> None:
+    from fsdp_testing.launcher import tear_down_rank_fixture
+
+    tear_down_rank_fixture(key)
 
 
 def _on_ranks(request: Any, arg: str) -> bool:

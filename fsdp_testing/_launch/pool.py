@@ -353,6 +353,16 @@ class ProcessLauncher:
         gen = self._take_warm(world_size, backend, pg_timeout_for(timeout))
         return None if gen is None else self._send(gen, task, timeout, reuse=True)
 
+    def run_on_warm_ranks(self, task: Task, *, timeout: float) -> list[Observation]:
+        """Run ``task`` on every warm generation (not one that would need starting), each kept
+        warm if it can be trusted after; their observations."""
+        observed = []
+        for world_size, backend in list(self._pools):
+            gen = self._take_warm(world_size, backend, 0.0)
+            if gen is not None:
+                observed.append(self.finish(self._send(gen, task, timeout, reuse=True)))
+        return observed
+
     def _take_warm(self, world_size: int, backend: str, pg_timeout_s: float) -> Generation | None:
         """The warm generation of (``world_size``, ``backend``), out of the pool and reset, if
         one can serve a test whose group must wait ``pg_timeout_s``; None otherwise."""

@@ -12,10 +12,13 @@ arguments, its scope and its parameter. Each rank sets it up before the test's b
 generator fixture up to its ``yield``) and tears it down after, in reverse order; an error in
 either is the rank's failure, named after the fixture. A fixture of a scope broader than
 ``function`` is kept on a warm rank process for the tests that share it (the same key: scope,
-the node it is scoped to, the parameter) and torn down when the rank process ends; in thread,
-local and fake mode a rank's process group lives for one test, so such a scope is refused at
-collection. The fixture may request ``request`` (``param``, ``fixturename``, ``scope`` and
-``addfinalizer`` work) and pytest's process fixtures.
+the node it is scoped to, the parameter) and torn down when pytest ends its scope in the
+parent, as pytest would: at the end of its module or class, before the next parameter is set
+up, at the end of the session (the parent's fixture finalizer sends each warm generation a
+task that runs ``tear_down_key``), or when the rank process ends, whichever comes first; in
+thread, local and fake mode a rank's process group lives for one test, so such a scope fails
+the test that asks for it. The fixture may request ``request`` (``param``, ``fixturename``,
+``scope`` and ``addfinalizer`` work) and pytest's process fixtures.
 
 pytest's own fixtures that change the process they run in (``monkeypatch``, ``recwarn``,
 ``caplog``, ``capsys``) would change the parent, not the rank, and their undo would run in the
@@ -43,7 +46,7 @@ from fsdp_testing._protocol import (
 from fsdp_testing._rank.context import RankContext
 from fsdp_testing._report.text import add_note
 
-__all__ = ["arguments", "tear_down_scoped"]
+__all__ = ["arguments", "tear_down_key", "tear_down_scoped"]
 
 _scoped: dict[str, tuple[Any, Iterator[Any] | None, list[Callable[[], None]]]] = {}
 """Values of fixtures broader than ``function`` kept on this process, by key, with their
@@ -66,6 +69,21 @@ def arguments(kwargs: dict[str, Any], ctx: RankContext) -> Iterator[dict[str, An
         test.close(body_failed=True)
         raise
     test.close(body_failed=False)
+
+
+def tear_down_key(key: str) -> None:
+    """Tear down the broader-scoped fixture kept under ``key``, if this rank holds it: pytest
+    ended its scope in the parent (the end of its module, class or session, or a new parameter).
+    Run as a task of its own; an error is this rank's failure, named after the fixture."""
+    if key not in _scoped:
+        return
+    _, gen, finalizers = _scoped.pop(key)
+    name = key.rpartition("::")[2].partition("[")[0]
+    try:
+        _finish(name, gen, finalizers)
+    except BaseException as exc:
+        add_note(exc, f"(in the teardown of fixture {name!r} at the end of its scope)")
+        raise
 
 
 def tear_down_scoped() -> None:

@@ -113,13 +113,15 @@ class DTensorComms:
         from torch.distributed.tensor.debug import CommDebugMode
 
         self._mode = CommDebugMode()
+        _this_thread_only(getattr(self._mode, "advanced_module_tracker", None))
         with self._mode:
             yield
 
     def counts(self, module: str | None = None, phase: str | None = None) -> dict[str, int]:
         """``{"all_gather_into_tensor": 2, ...}``: the block's DTensor collectives by name, of
-        one module (its FQN; ``"Global"`` is every module) and phase (``"forward"`` or
-        ``"backward"``), or all of them."""
+        one module (its FQN, ``"mlp.up"``, or CommDebugMode's name for it, the root module's
+        class first: ``"Transformer.mlp.up"``; ``"Global"`` is every module) and phase
+        (``"forward"`` or ``"backward"``), or all of them."""
         if self._mode is None:
             raise ValueError(
                 "dtensor_comms: nothing was counted; record with record_comms(dtensor=True) (or "
@@ -128,13 +130,53 @@ class DTensorComms:
         if module is None and phase is None:
             raw = self._mode.get_comm_counts()
         else:
-            per_module = self._mode.comm_module_counts.get(module or "Global", {})
+            per_module = self._mode.comm_module_counts.get(self._module_name(module), {})
             phases = [phase] if phase is not None else ["forward", "backward"]
             raw = {}
             for name in phases:
                 for op, count in per_module.get(name, {}).items():
                     raw[op] = raw.get(op, 0) + count
         return {_op_name(op): int(count) for op, count in raw.items() if count}
+
+    def _module_name(self, module: str | None) -> str:
+        """CommDebugMode's name for ``module`` (an FQN or its own name)."""
+        if module is None or module == "Global":
+            return "Global"
+        tracker = getattr(self._mode, "advanced_module_tracker", None)
+        seen = set(self._mode.comm_module_counts) | set(getattr(tracker, "module_helper_dict", {}))
+        if module in seen:
+            return module
+        by_fqn = [name for name in seen if name.partition(".")[2] == module]
+        if len(by_fqn) == 1:
+            return by_fqn[0]
+        known = ", ".join(sorted(n.partition(".")[2] or n for n in seen if n != "Global"))
+        raise ValueError(
+            f"dtensor_comms: no module {module!r} ran in the recorded block; the modules that "
+            f"did: {known or 'none'} (their FQNs in the root module)"
+        )
+
+
+# CommDebugMode counts a collective for the module whose forward is running, which its module
+# tracker learns from torch's global module hooks: global to the process, so in thread and
+# local mode (ranks are threads) each rank's tracker also saw the other ranks' modules enter
+# and leave, warned "The module hierarchy tracking maybe be messed up" and could count a
+# collective for another rank's module. Each tracker now hears only the thread that counts.
+_TRACKER_HOOKS = ("_fw_pre_hook", "_fw_post_hook", "_bw_hook")
+
+
+def _this_thread_only(tracker: Any) -> None:
+    owner = threading.get_ident()
+    for name in _TRACKER_HOOKS:
+        hook = getattr(tracker, name, None)
+        if hook is None:  # another torch: its tracker as it is
+            continue
+
+        def guarded(*args: Any, _hook: Any = hook) -> Any:
+            if threading.get_ident() == owner:
+                return _hook(*args)
+            return None
+
+        setattr(tracker, name, guarded)  # read by its __enter__, which registers the hooks
 
 
 def _op_name(op: Any) -> str:

@@ -374,3 +374,37 @@ def test_dtensor_redistributions_are_counted_on_request(rank):
         rec.assert_dtensor_comms({"all_reduce": 1})
     with record_comms() as plain, pytest.raises(ValueError, match="dtensor=True"):
         plain.dtensor_comms()
+
+
+def _count_a_tp_mlp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with record_comms(dtensor=True) as rec:
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    rec.assert_dtensor_comms({"all_reduce": 1}, module="2", phase="forward")
+    rec.assert_dtensor_comms({}, module="0", phase="forward")
+
+
+# CommDebugMode learns the running module from torch's process-wide module hooks: with ranks as
+# threads, each rank's tracker heard the other ranks' modules too, warned "The module hierarchy
+# tracking maybe be messed up" (an error under -W error) and could count a collective for
+# another rank's module. Each rank hears its own thread only.
+@pytest.mark.filterwarnings("error:The module hierarchy tracking")
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_dtensor_counts_per_module_in_thread_mode():
+    _count_a_tp_mlp()
+
+
+@pytest.mark.filterwarnings("error:The module hierarchy tracking")
+@pytest.mark.distributed(world_size=2, mode="local")
+def test_dtensor_counts_per_module_in_local_mode():
+    _count_a_tp_mlp()

@@ -1,7 +1,8 @@
 """Fixtures on the ranks (issue 49): a fixture that requests ``rank``, ``process_group`` or
 ``device`` is set up and torn down on each rank, with pytest's scopes, parameters, ``request``
 and yield teardown; its errors are the rank's; broader scopes stay on warm ranks until they end;
-what cannot work is refused at collection naming the fixture and the fix."""
+what cannot work is found at collection and fails that test at setup, naming the fixture
+and the fix."""
 
 from __future__ import annotations
 
@@ -87,9 +88,20 @@ def test_uses_it(table):
 """
 
 
-def test_a_broader_scope_in_thread_mode_is_refused_at_collection(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(SCOPE_IN_THREAD_MODE)
+def test_a_broader_scope_in_thread_mode_fails_that_test_alone(pytester: pytest.Pytester) -> None:
+    """Found at collection, reported at the test's setup: a collection error would stop the
+    whole session (the test beside it would not run)."""
+    pytester.makepyfile(
+        SCOPE_IN_THREAD_MODE
+        + """
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_beside_it(rank):
+    pass
+"""
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         [
             "*test_uses_it: fixture 'table' (scope='module') requests a rank fixture, so it runs "
@@ -97,7 +109,8 @@ def test_a_broader_scope_in_thread_mode_is_refused_at_collection(pytester: pytes
             "scope='function', or use mode='process'*"
         ]
     )
-    assert "fsdp_testing/" not in result.stdout.str()  # no plugin frames
+    out = result.stdout.str()
+    assert "fsdp_testing/" not in out and "Interrupted" not in out  # no plugin frames
 
 
 BAD_MARKER = """
@@ -137,3 +150,92 @@ def test_a_bad_marker_fails_its_test_alone(pytester: pytest.Pytester) -> None:
 def test_record_file_exists(record: tuple[Run, list[dict]]) -> None:
     assert Path(record[0].tag)  # the session ran (its outcomes are checked above)
     assert record[1], record[0].stdout[-3000:]
+
+
+SCOPE_ENDS_A = """
+import pytest
+
+LOG = {log!r}
+
+
+def _log(line):
+    with open(LOG, "a") as f:
+        f.write(line + "\\n")
+
+
+@pytest.fixture(scope="module", params=["p1", "p2"])
+def resource(request, rank):
+    _log(f"setup {{request.param}} {{rank}}")
+    yield request.param
+    _log(f"teardown {{request.param}} {{rank}}")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a1(resource, rank):
+    _log(f"a1 {{resource}} {{rank}}")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a2(resource, rank):
+    _log(f"a2 {{resource}} {{rank}}")
+"""
+
+SCOPE_ENDS_B = """
+import pytest
+
+LOG = {log!r}
+
+
+@pytest.fixture(scope="module")
+def broken(rank):
+    yield
+    raise RuntimeError(f"teardown broke on rank {{rank}}")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_b1(rank):
+    with open(LOG, "a") as f:
+        f.write(f"b1 {{rank}}\\n")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_b2(broken):
+    pass
+
+
+@pytest.mark.distributed(world_size=2)
+def test_b3(rank):
+    pass
+"""
+
+
+def test_a_broader_scope_ends_on_the_ranks_when_pytest_ends_it(
+    pytester: pytest.Pytester,
+) -> None:
+    """As pytest does in one process: a module fixture's parameter is torn down before the next
+    one is set up, and its teardown runs at the end of its module (not when the warm ranks end);
+    an error there is the error of the test whose teardown ended the scope (the module's last)."""
+    log = pytester.path / "log.txt"
+    pytester.makepyfile(
+        test_a=SCOPE_ENDS_A.format(log=str(log)), test_b=SCOPE_ENDS_B.format(log=str(log))
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=7, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_b3*", "*RuntimeError: teardown broke on rank *"]
+    )
+    assert "launcher.py" not in result.stdout.str()  # the ranks' report, no harness frames
+    lines = log.read_text().splitlines()
+    for rank in (0, 1):
+        mine = [line.rsplit(" ", 1)[0] for line in lines if line.endswith(f" {rank}")]
+        assert mine == [
+            "setup p1",
+            "a1 p1",
+            "a2 p1",
+            "teardown p1",
+            "setup p2",
+            "a1 p2",
+            "a2 p2",
+            "teardown p2",
+            "b1",  # module test_a's fixture is gone before module test_b starts
+        ], lines
