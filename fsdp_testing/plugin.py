@@ -74,13 +74,16 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     # A collective in a test that is not distributed: see fsdp_testing/_report/no_group.py.
     config.pluginmanager.register(importlib.import_module("fsdp_testing._report.no_group"))
+    # Starting the fork server while pytest collects; pytest-xdist's workers sharing one.
+    config.pluginmanager.register(importlib.import_module("fsdp_testing._launch.warm_start"))
+    config.pluginmanager.register(importlib.import_module("fsdp_testing._integrations.xdist"))
     config.stash[_settings_key] = settings = settings_from(config)
     configure_cpu_world_size(config)
     if not config.option.help:
         from fsdp_testing.launcher import set_session_settings
 
         set_session_settings(settings)
-        _use_shared_fork_server(config)
+        sys.modules["fsdp_testing._integrations.xdist"].use_shared_fork_server(config)
         _select_engine(config)
         _export_coverage()  # before a job's helper slot starts
         if _job() is not None:
@@ -304,42 +307,15 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     return None
 
 
-# --- pytest-xdist: one fork server for the workers -----------------------------------------
-# See [Note: one fork server for the xdist workers] in _launch/shared_fork_server.py.
-
-_shared_server_key = pytest.StashKey[Any]()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node: Any) -> None:
-    """xdist's controller, for each worker it starts: the shared fork server's address."""
-    from fsdp_testing._launch.shared_fork_server import WORKERINPUT_KEY, SharedForkServer
-
-    config = node.config
-    if _shared_server_key not in config.stash:
-        config.stash[_shared_server_key] = SharedForkServer()
-    try:
-        node.workerinput[WORKERINPUT_KEY] = config.stash[_shared_server_key].start()
-    except (OSError, RuntimeError) as exc:  # each worker starts its own, as before
-        warnings.warn(f"{exc}; each xdist worker starts its own fork server", stacklevel=1)
+# --- pytest-xdist: see [Note: how many xdist workers] in _launch/shared_fork_server.py ------
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``/``-n logical``: one worker per two cores, none below four; see [Note: how
-    many xdist workers] in ``_launch/shared_fork_server.py``."""
+    """``-n auto``/``-n logical``: one worker per two cores, none below four."""
     from fsdp_testing._launch.shared_fork_server import auto_workers
 
     return auto_workers()
-
-
-def _use_shared_fork_server(config: pytest.Config) -> None:
-    """An xdist worker: fork ranks from the controller's fork server, if it has one."""
-    from fsdp_testing._launch.shared_fork_server import WORKERINPUT_KEY
-    from fsdp_testing.launcher import set_shared_fork_server
-
-    workerinput = getattr(config, "workerinput", None) or {}
-    set_shared_fork_server(workerinput.get(WORKERINPUT_KEY))
 
 
 def _select_engine(config: pytest.Config) -> None:
@@ -370,61 +346,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # A session that never finished failed to configure: pytest exits with 4 then.
         launcher.finish_job(config.stash.get(_exit_status_key, pytest.ExitCode.USAGE_ERROR))
         launcher.shutdown()
-    if _shared_server_key in config.stash:
-        config.stash[_shared_server_key].stop()
     if "fsdp_testing._integrations.rank_coverage" in sys.modules:
         sys.modules["fsdp_testing._integrations.rank_coverage"].combine_into_session()
     if _pdb_dir_key in config.stash:
         import shutil
 
         shutil.rmtree(config.stash[_pdb_dir_key], ignore_errors=True)
-
-
-# See [Note: starting the fork server early] in _launch/pool.py.
-_early_key = pytest.StashKey[bool]()
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    config = item.config
-    if config.stash.get(_early_key, False) or not _runs_on_rank_processes(item):
-        return
-    config.stash[_early_key] = True
-    if config.option.collectonly or _job() is not None:
-        return
-    from fsdp_testing.launcher import start_rank_processes_early
-
-    start_rank_processes_early()
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    config = session.config
-    if not config.stash.get(_early_key, False) or config.option.collectonly or _job():
-        return
-    from fsdp_testing.launcher import preload_for_rank_processes, stop_rank_processes
-
-    if any(_runs_on_rank_processes(item) for item in session.items):
-        preload_for_rank_processes()
-    else:  # every such test was deselected
-        stop_rank_processes()
-
-
-def _runs_on_rank_processes(item: pytest.Item) -> bool:
-    """Whether ``item`` runs on rank processes: a process-mode marker, or a unittest class of
-    ours in process mode."""
-    try:
-        spec = spec_of_item(item)
-    except (TypeError, ValueError):
-        return False
-    if spec is not None:
-        return spec.mode is Mode.PROCESS
-    testcase = sys.modules.get("fsdp_testing.testcase")  # not imported: no class of ours
-    cls = getattr(item, "cls", None)
-    if testcase is None or not isinstance(cls, type):
-        return False
-    if not issubclass(cls, testcase._DistributedTestCase):
-        return False
-    mode = getattr(cls, "dist_mode", None) or cls._mode  # type: ignore[attr-defined]
-    return bool(mode == Mode.PROCESS)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -568,8 +495,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         verdict.message += f"\n\n({note})"
     _add_rank_properties(pyfuncitem, verdict.outcome is VerdictOutcome.FAILED)
     for text in verdict.notes:  # e.g. the ranks were replaced: shown in pytest's warnings
-        import warnings
-
         path, line, _ = pyfuncitem.location
         warnings.warn_explicit(f"fsdp_testing: {text}", RuntimeWarning, path, (line or 0) + 1)
     for title, content in verdict.sections:

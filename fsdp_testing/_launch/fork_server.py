@@ -9,7 +9,7 @@ Two ways to run it:
 
 - ``fork_server ADDRESS``: the session's own. It connects to the session's socket, imports torch
   (then what the session asks it to preload, see [Note: starting the fork server early] in
-  ``pool.py``) and serves that one session; it exits with it.
+  ``fork_link.py``) and serves that one session; it exits with it.
 - ``fork_server --shared ADDRESS``: one for every xdist worker of a session, started by the
   controller (see [Note: one fork server for the xdist workers] in ``shared_fork_server.py``).
   It listens on ``ADDRESS``; each worker connects and is served on its own connection, and the

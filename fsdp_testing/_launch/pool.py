@@ -33,13 +33,12 @@ import os
 import pickle
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from fsdp_testing._launch.deadline import Deadline, pg_timeout_for
+from fsdp_testing._launch.fork_link import START_TIMEOUT_S, ForkServerLink
 from fsdp_testing._launch.generation import (
     Generation,
     ImportWait,
@@ -47,24 +46,18 @@ from fsdp_testing._launch.generation import (
     imports_of,
     read_logs,
 )
-from fsdp_testing._launch.rank_process import connect, parent_modules
+from fsdp_testing._launch.rank_process import parent_modules
 from fsdp_testing._launch.socket_root import socket_root
 from fsdp_testing._launch.wait_watch import WaitWatch, note_deadlock, process_asleep
 from fsdp_testing._protocol import (
     REPORT_TIMEOUT_S,
     RESET_TIMEOUT_S,
-    Forked,
-    ForkRanks,
     GenerationSpec,
     Outcome,
-    Preload,
     RankHello,
     RankInitFailed,
     RankReset,
     RankResult,
-    ServerHello,
-    Statuses,
-    StatusQuery,
     Stop,
     Task,
     message_text,
@@ -76,10 +69,6 @@ __all__ = ["ProcessLauncher"]
 
 STOP_WAIT_S = 5.0
 """How long trusted ranks may take to tear down their broader-scoped fixtures and exit."""
-START_TIMEOUT_S = 60.0
-PRELOAD_LIMIT_S = 300.0
-"""How long the fork server may take to import what ranks will import and fork a generation
-(minutes only on a machine loaded many times over)."""
 _STOP = pickle.dumps(Stop())
 
 
@@ -104,128 +93,27 @@ class ProcessLauncher:
         self._shared = shared_fork_server
         """The address of the fork server of this session's xdist workers, if there is one."""
         self._root, self._address = socket_root("fsdp-testing-")
-        self._server: socket.socket | None = None
-        self._server_proc: subprocess.Popen[bytes] | None = None
-        self._zconn: Connection | None = None
+        self._forks = ForkServerLink(self._root, self._address, shared_fork_server)
         self._pools: dict[tuple[int, str], Generation] = {}
         """Warm generations by (world size, backend)."""
         self._gen_counter = 0
         self._rank_imports: dict[str, None] = {}
         """What ranks imported, in order (see [Note: preloading what ranks import])."""
 
-    # --- the fork server ----------------------------------------------------------------------
-
-    def _accept(self, timeout: float) -> Connection:
-        assert self._server is not None
-        self._server.settimeout(timeout)
-        sock, _ = self._server.accept()
-        sock.setblocking(True)
-        return Connection(sock.detach())
-
-    # [Note: starting the fork server early]
-    # A session's first process-mode test used to start the fork server (import torch, ~2 s of
-    # CPU) and wait for it; then its ranks imported, each for itself, what the test module and
-    # torch's lazy imports need (DDP, fully_shard and DTensor import torch._dynamo on first
-    # use: ~180 modules a rank): 10 to 20 s on a busy 2-core machine, per xdist worker. Now the
-    # plugin starts the fork server as soon as collection meets a test that runs on rank
-    # processes (``pytest_itemcollected``), so that it imports torch while pytest collects the
-    # rest; when collection ends it sends ``Preload(parent_modules())``: what this process
-    # imported (the test modules' imports, which the ranks import too) and dynamo where they
-    # will need it. The fork server imports them before it forks the first generation, once,
-    # instead of once per rank. If every such test was deselected, the fork server ends there.
-    # Each generation also names them in ``GenerationSpec.preload`` (with what earlier ranks
-    # reported), for modules imported since. What cannot be imported before a fork is not: see
-    # [Note: no CUDA before a fork] in ``rank_process.py``. Figures: docs/benchmarks.md,
-    # "pytest-xdist and the first test".
-    def start_fork_server(self) -> None:
-        """Start the fork server now, without waiting for it (it imports torch while pytest
-        goes on); with a fork server shared by the xdist workers, connect to it. See [Note:
-        starting the fork server early]."""
-        self._listen()
-        if self._shared is not None:
-            if self._zconn is None:
-                self._zconn = self._connect_shared()
-            return
-        if self._server_proc is not None and self._server_proc.poll() is None:
-            return
-        self._zconn = None
-        log = open(os.path.join(self._root, "fork_server.log"), "ab")
-        self._server_proc = subprocess.Popen(
-            [sys.executable, "-m", "fsdp_testing._launch.fork_server", self._address],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-        )
-        log.close()
-
-    def preload(self, names: tuple[str, ...]) -> None:
-        """Ask the fork server to import ``names`` before it forks again (it answers nothing:
-        this returns at once)."""
-        self._ensure_fork_server().send(Preload(names))
-
-    def _listen(self) -> None:
-        """The socket ranks (and a session's own fork server) connect to."""
-        if self._server is None:
-            self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._server.bind(self._address)
-            self._server.listen(256)
-
-    def _connect_shared(self) -> Connection:
-        assert self._shared is not None
-        try:
-            conn = connect(self._shared)
-        except OSError as exc:
-            raise RuntimeError(
-                f"fsdp_testing: could not reach the fork server of this session's xdist "
-                f"workers at {self._shared}: {exc}"
-            ) from None
-        hello = conn.recv()
-        if not isinstance(hello, ServerHello):
-            raise AssertionError(f"fork server said {hello!r} instead of ServerHello")
-        return conn
-
-    def _fork_server_alive(self) -> bool:
-        if self._shared is not None:
-            return self._zconn is not None and not self._zconn.closed
-        return self._server_proc is not None and self._server_proc.poll() is None
-
-    def _ensure_fork_server(self) -> Connection:
-        if self._zconn is not None and self._fork_server_alive():
-            return self._zconn
-        if self._shared is not None:
-            self.start_fork_server()
-            assert self._zconn is not None
-            return self._zconn
-        if not self._fork_server_alive():
-            self.start_fork_server()
-        assert self._server_proc is not None
-        try:
-            conn = self._accept(START_TIMEOUT_S)
-        except TimeoutError:
-            self._server_proc.kill()
-            raise RuntimeError(
-                "fsdp_testing: the rank fork server did not start within "
-                f"{START_TIMEOUT_S:.0f} s; see its log for why: "
-                f"{os.path.join(self._root, 'fork_server.log')}"
-            ) from None
-        hello = conn.recv()
-        if not isinstance(hello, ServerHello):
-            raise AssertionError(f"fork server said {hello!r} instead of ServerHello")
-        self._zconn = conn
-        return conn
-
-    def _statuses(self, pids: list[int], timeout: float) -> dict[int, str | None]:
-        conn = self._ensure_fork_server()
-        conn.send(StatusQuery(tuple(pids), timeout))
-        answer = conn.recv()
-        assert isinstance(answer, Statuses), f"fork server answered {answer!r} to StatusQuery"
-        return answer.by_pid
-
     # --- generations ----------------------------------------------------------------------
 
+    def start_fork_server(self) -> None:
+        """See [Note: starting the fork server early] in ``fork_link.py``."""
+        self._forks.start()
+
+    def preload(self, names: tuple[str, ...]) -> None:
+        """Have the fork server import ``names`` before it forks again; returns at once."""
+        self._forks.preload(names)
+
+    def _statuses(self, pids: list[int], timeout: float) -> dict[int, str | None]:
+        return self._forks.statuses(pids, timeout)
+
     def _start_generation(self, world_size: int, backend: str, pg_timeout_s: float) -> Generation:
-        zconn = self._ensure_fork_server()
         self._gen_counter += 1
         gen_dir = os.path.join(self._root, f"gen{self._gen_counter}")
         os.mkdir(gen_dir)
@@ -240,15 +128,11 @@ class ProcessLauncher:
             preload=(*parent_modules(), *self._rank_imports),
             env=dict(os.environ) if self._shared is not None else None,
         )
-        zconn.send(ForkRanks(spec))
-        self._wait_for_forks(zconn)
-        forked = zconn.recv()
-        assert isinstance(forked, Forked), f"fork server answered {forked!r} to ForkRanks"
-        pids = list(forked.pids)
+        pids = self._forks.fork(spec)
         conns: list[Connection | None] = [None] * world_size
         try:
             for _ in range(world_size):
-                accepted = self._accept(START_TIMEOUT_S)
+                accepted = self._forks.accept(START_TIMEOUT_S)
                 hello = accepted.recv()
                 assert isinstance(hello, RankHello), f"a rank said {hello!r} instead of hello"
                 conns[hello.rank] = accepted
@@ -270,26 +154,6 @@ class ProcessLauncher:
             self._kill(pids)
             raise
         return Generation(world_size, backend, gen_dir, [c for c in conns if c], pids, pg_timeout_s)
-
-    def _wait_for_forks(self, zconn: Connection) -> None:
-        """Wait while the fork server imports what it was asked to preload and forks: as long
-        as it takes on a busy machine (it is alive and working), up to ``PRELOAD_LIMIT_S``."""
-        deadline = Deadline(PRELOAD_LIMIT_S)
-        while not zconn.poll(min(1.0, max(deadline.remaining(), 0.0))):
-            if not self._fork_server_alive() or deadline.expired():
-                if self._server_proc is not None:
-                    self._server_proc.kill()
-                why = "ended" if not self._fork_server_alive() else "did not fork ranks within"
-                raise RuntimeError(
-                    f"fsdp_testing: the rank fork server {why}"
-                    + (f" {PRELOAD_LIMIT_S:.0f} s" if why != "ended" else "")
-                    + f"; its log: {self._fork_server_log()}"
-                )
-
-    def _fork_server_log(self) -> str:
-        if self._shared is not None:
-            return os.path.join(os.path.dirname(self._shared), "fork_server.log")
-        return os.path.join(self._root, "fork_server.log")
 
     def _kill(self, pids: list[int]) -> None:
         for pid in pids:
@@ -529,19 +393,5 @@ class ProcessLauncher:
         for gen in self._pools.values():
             self._discard(gen, graceful=True)
         self._pools.clear()
-        if self._zconn is not None:
-            try:
-                self._zconn.send(Stop())
-            except OSError:
-                pass
-        elif self._server_proc is not None:  # started early, never needed
-            self._server_proc.kill()
-        if self._server_proc is not None:
-            try:
-                self._server_proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._server_proc.kill()
-                self._server_proc.wait()
-        if self._server is not None:
-            self._server.close()
+        self._forks.stop()
         shutil.rmtree(self._root, ignore_errors=True)

@@ -7,7 +7,7 @@ CPU each), all at the start of the run, on machines where N is often the number 
 the controller starts one fork server (``fork_server --shared``) when it configures its first
 worker, and tells each worker its address (``workerinput``). The server imports nothing until a
 worker asks (at the end of that worker's collection, when it has process-mode tests: see [Note:
-starting the fork server early] in ``pool.py``), so a session without process-mode tests pays
+starting the fork server early] in ``fork_link.py``), so a session without process-mode tests pays
 only for starting Python. Each worker keeps its own warm ranks, its own socket for them and its
 own reports; it sends its environment with each generation (``GenerationSpec.env``), since the
 ranks are forked from a process the worker did not start. A worker's ranks are killed when it

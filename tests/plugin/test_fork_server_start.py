@@ -1,7 +1,7 @@
 """Where ranks come from (issue 49, point 6): one fork server for every xdist worker of a
 session, started by the controller; started early and told what the ranks will import. See
 [Note: one fork server for the xdist workers] in fsdp_testing/_launch/shared_fork_server.py
-and [Note: starting the fork server early] in fsdp_testing/_launch/pool.py."""
+and [Note: starting the fork server early] in fsdp_testing/_launch/fork_link.py."""
 
 from __future__ import annotations
 
