@@ -37,7 +37,6 @@ __all__ = [
     "stack_key",
     "stack_sources",
     "timeout_report",
-    "trim_stack",
 ]
 
 _HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
@@ -194,20 +193,6 @@ def readable_stack(text: str, sources: Mapping[str, str] | None = None) -> str:
         rendered.append((has_test, "\n".join(lines)))
     rendered.sort(key=lambda item: not item[0])  # stable: threads with test frames first
     return "\n".join(text for _, text in rendered)
-
-
-def trim_stack(text: str) -> str:
-    """Drop the harness's own frames (and their source lines) from a stack dump."""
-    out: list[str] = []
-    skipping = False
-    for line in text.splitlines():
-        if line.lstrip().startswith("File "):
-            skipping = _is_harness(line)
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "\n".join(out)
 
 
 _THREAD_ID = re.compile(r"thread 0x[0-9a-f]+", re.IGNORECASE)

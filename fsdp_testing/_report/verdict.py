@@ -16,7 +16,12 @@ from fsdp_testing._report.collective_log import call_name
 from fsdp_testing._report.divergence import injected_faults
 from fsdp_testing._report.failure import explanation, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
-from fsdp_testing._report.hang_report import calls_section, stack_key, timeout_report, trim_stack
+from fsdp_testing._report.hang_report import (
+    calls_section,
+    readable_stack,
+    stack_key,
+    timeout_report,
+)
 from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.p2p import describe_p2p, unmatched
 from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
@@ -290,7 +295,10 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             )
 
     stragglers = sorted(r for r in aborted if r in obs.stragglers)
-    stacks = {r: trim_stack(obs.stacks.get(r, "").rstrip()) for r in stragglers}
+    # As a hang report shows them: outermost call first, torch's frames folded.
+    stacks = {
+        r: readable_stack(obs.stacks.get(r, ""), obs.sources.get(r)).rstrip() for r in stragglers
+    }
     for ranks in group_ranks({r: stack_key(text) for r, text in stacks.items()}):
         parts.append(
             f"\n{ranks_heading(ranks, where, of=world)} aborted: still running after "
