@@ -280,14 +280,18 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         if len(first) > 1:
             heading += f" the same error; the traceback of rank {shown}, the first to fail:"
         parts.append(f"\n{heading}\n{message_of(raised[shown]).rstrip()}")
-        for ranks in groups[1 : 1 + VARIANTS_SHOWN]:
+        # One message more (one rank, or ranks failing alike) is shown as the others are; more
+        # than one are summed up by an example.
+        shown_count = VARIANTS_SHOWN + (len(groups) == 2 + VARIANTS_SHOWN)
+        variants = groups[1 : 1 + shown_count]
+        rest = sorted(r for g in groups[1 + shown_count :] for r in g)
+        for ranks in variants:
             same = raised[ranks[0]].summary == raised[shown].summary
             parts.append(
                 f"\n{ranks_heading(ranks, where, of=world)} failed at the same place with "
                 f"{'other values' if same else 'another message'}:\n"
                 f"  {_variant(raised[ranks[0]], raised[shown])}"
             )
-        rest = sorted(r for g in groups[1 + VARIANTS_SHOWN :] for r in g)
         if rest:
             parts.append(
                 f"\n{ranks_heading(rest, where, of=world)} failed at the same place with other "

@@ -154,6 +154,24 @@ def test_ranks_failing_at_one_place_with_other_numbers_share_the_traceback() -> 
     _check_size(message, 100)
 
 
+def test_one_rank_more_failing_at_one_place_is_shown_as_the_others() -> None:
+    # Ranks 1 and 2 are the variants shown; one rank more is shown alike, not "e.g. rank 3".
+    def compare(rank: int) -> None:
+        raise AssertionError(f"Tensor-likes are not close!\nGreatest difference: {rank / 7}")
+
+    message = judge(_world({r: _failed(r, compare, r) for r in range(4)}, 4)).message
+    assert message.splitlines()[-2:] == [
+        "[rank 3] failed at the same place with another message:",
+        "  AssertionError: Tensor-likes are not close! Greatest difference: 0.42857142857142855",
+    ]
+    assert "e.g." not in message
+    # The same for ranks failing alike: one message more, shown with all its ranks.
+    results = {r: _failed(r, compare, min(r, 3)) for r in range(5)}
+    message = judge(_world(results, 5)).message
+    assert "[ranks 3, 4 (2 of 5)] failed at the same place with another message:" in message
+    assert "e.g." not in message
+
+
 def test_long_messages_of_ranks_failing_at_one_place_fit_a_line() -> None:
     # check_parity's divergence on every rank: one place, a long message with each rank's loss.
     def diverged(rank: int) -> None:
