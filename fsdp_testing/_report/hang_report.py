@@ -1,6 +1,6 @@
 """Where a hang report is written: a test that hit its timeout is reported with where the ranks'
-collectives diverge (on top), each rank's last collectives, and the stack of every rank still
-running, with the harness's own frames trimmed.
+collectives diverge (on top), each rank's last communication (collectives, sends and receives),
+and the stack of every rank still running, with the harness's own frames trimmed.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
             "\nno rank is inside a recorded call (collective or point-to-point): the hang is "
             "in user code"
         )
-    parts.append("\nlast collectives per rank:")
+    parts.append("\nlast communication per rank:")  # collectives, sends and receives
     parts.extend(format_records(obs.records, where=where))
     return parts
 

@@ -324,7 +324,7 @@ def test_a_crash_in_a_collective_shows_the_collective_log() -> None:
         "collective divergence:\n  rank 0 waits in all_reduce #1 while rank 1 waits in broadcast #1"
         in message
     )
-    assert "last collectives per rank:" in message
+    assert "last communication per rank:" in message
     assert "gloo::EnforceNotMet" in message
 
 

@@ -289,7 +289,7 @@ def test_a_gloo_abort_on_a_mismatch_shows_the_collective_log(pytester: pytest.Py
             "collective divergence:",
             "  rank 1 waits in broadcast #1 with shapes [[][[]3[]][]] but rank 0 issued it with "
             "[[][[]5[]][]]",
-            "last collectives per rank:",
+            "last communication per rank:",
             "  rank 0:",
             "    broadcast #1 shapes=[[][[]5[]][]] dtype=float32 [[]completed[]]",
             "  rank 1:",
