@@ -29,7 +29,7 @@ from fsdp_testing._launch.fixtures import (
 from fsdp_testing._launch.marker_items import parametrize, spec_of, spec_of_item
 from fsdp_testing._launch.options import add_options, configure_cpu_world_size, settings_from
 from fsdp_testing._launch.spec import MARKER_SIGNATURE, DistSpec, Mode
-from fsdp_testing._launch.task_build import build_task
+from fsdp_testing._launch.task_build import NotPortable, build_task
 from fsdp_testing._launch.torchrun import job_env
 from fsdp_testing._protocol import ENGINE_ENV
 
@@ -474,7 +474,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         else:
             portable = get_launcher(spec.mode).crosses_processes
             fresh = pyfuncitem.get_closest_marker("no_dist_pool") is not None
-            task = build_task(pyfuncitem, portable=portable)
+            try:
+                task = build_task(pyfuncitem, portable=portable)
+            except NotPortable as exc:  # the message alone, as the test's error
+                raise pytest.fail.Exception(str(exc), pytrace=False) from None
             with _rank_thread_breakpoints(pyfuncitem.config, portable):
                 verdict = run_distributed(
                     task,

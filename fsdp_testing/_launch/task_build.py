@@ -19,7 +19,13 @@ from fsdp_testing._protocol import (
 )
 from fsdp_testing._rank import temp_paths
 
-__all__ = ["build_task", "local_task"]
+__all__ = ["NotPortable", "build_task", "local_task"]
+
+
+class NotPortable(TypeError):
+    """A process-mode test that cannot be sent to its ranks (a local function, an unpicklable
+    fixture value); the message names the test, what cannot travel and the fix, and the plugin
+    reports it alone, as the test's error (the harness's frames would only hide it)."""
 
 
 def local_task(item: pytest.Function) -> Task:
@@ -54,7 +60,7 @@ def build_task(item: pytest.Function, *, portable: bool) -> Task:
     kwargs, tbstyle = task.kwargs, task.tbstyle
     func = getattr(item.obj, "__func__", item.obj)
     if "<locals>" in func.__qualname__:
-        raise TypeError(
+        raise NotPortable(
             f"{item.nodeid}: process-mode distributed tests must be module-level functions or "
             "methods of module-level classes, so the ranks can import them"
         )
@@ -67,7 +73,7 @@ def build_task(item: pytest.Function, *, portable: bool) -> Task:
         if isinstance(value, RankFixture):
             continue
         if name in RECORDING_FIXTURES:
-            raise TypeError(
+            raise NotPortable(
                 f"{item.nodeid}: {name} records into the pytest process's report and cannot be "
                 "called on a process-mode rank. Each rank's ending is recorded already (junitxml "
                 "properties 'rank N'); call it from a fixture of the test, which runs in the "
@@ -77,7 +83,7 @@ def build_task(item: pytest.Function, *, portable: bool) -> Task:
             pickle.dumps(value)
         except Exception as exc:
             what = "the test class instance" if name == "self" else f"fixture or parameter {name!r}"
-            raise TypeError(
+            raise NotPortable(
                 f"{item.nodeid}: {what} ({type(value).__name__}) cannot be sent to the rank "
                 f"processes: {exc}. Make it picklable, build it inside the test body, or use "
                 "mode='thread'."

@@ -153,7 +153,8 @@ def describe(exc: BaseException) -> Facts:
 def format_failure(exc: BaseException, tbstyle: str, *, brief: bool = False) -> str:
     """``exc``'s traceback as pytest shows it, without the harness's machinery (see
     :func:`is_machinery`), the frames of torch, the standard library and the package's helpers
-    in pytest's short form (one line and the call, not the function's whole source).
+    in pytest's short form (one line and the call, not the function's whole source); the same
+    for every exception of its chain (``__cause__``, ``__context__``).
     ``brief``: the standard library's plain format, for a rank whose collective broke because
     a peer failed (reports show its one-line summary)."""
     import traceback
@@ -163,16 +164,23 @@ def format_failure(exc: BaseException, tbstyle: str, *, brief: bool = False) -> 
     try:
         from _pytest._code import ExceptionInfo
 
-        info = ExceptionInfo.from_exception(exc)
-        kept = info.traceback.filter(lambda entry: not is_machinery(str(entry.path)))
         style = {"auto": "long", "no": "short"}.get(tbstyle, tbstyle)
-        if style == "long" and hasattr(kept[0] if kept else None, "with_repr_style"):
-            kept = type(kept)(
-                entry.with_repr_style("short") if _not_users(str(entry.path)) else entry
-                for entry in kept
-            )
-        info.traceback = kept
-        return str(info.getrepr(style=style, chain=True, truncate_locals=True))  # type: ignore[arg-type]
+
+        def shown(info: Any) -> Any:
+            # pytest calls this for each exception of the chain, each with its own traceback.
+            kept = info.traceback.filter(info)  # __tracebackhide__, as pytest's default does
+            kept = kept.filter(lambda entry: not is_machinery(str(entry.path)))
+            if style == "long" and hasattr(kept[0] if kept else None, "with_repr_style"):
+                kept = type(kept)(
+                    entry.with_repr_style("short") if _not_users(str(entry.path)) else entry
+                    for entry in kept
+                )
+            return kept
+
+        info = ExceptionInfo.from_exception(exc)
+        return str(
+            info.getrepr(style=style, chain=True, truncate_locals=True, tbfilter=shown)  # type: ignore[arg-type]
+        )
     except Exception:  # pragma: no cover - fall back on the standard library's format
         return "".join(traceback.format_exception(exc))
 

@@ -1,6 +1,6 @@
 """Where a hang report is written: a test that hit its timeout is reported with where the ranks'
-collectives diverge (on top), each rank's last collectives, and the stack of every rank still
-running, with the harness's own frames trimmed.
+collectives diverge (on top), each rank's last communication (collectives, sends and receives),
+and the stack of every rank still running, with the harness's own frames trimmed.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ __all__ = [
     "stack_key",
     "stack_sources",
     "timeout_report",
-    "trim_stack",
 ]
 
 _HARNESS_MARKERS = ("/fsdp_testing/_", "<frozen runpy>", "/threading.py")
@@ -196,20 +195,6 @@ def readable_stack(text: str, sources: Mapping[str, str] | None = None) -> str:
     return "\n".join(text for _, text in rendered)
 
 
-def trim_stack(text: str) -> str:
-    """Drop the harness's own frames (and their source lines) from a stack dump."""
-    out: list[str] = []
-    skipping = False
-    for line in text.splitlines():
-        if line.lstrip().startswith("File "):
-            skipping = _is_harness(line)
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "\n".join(out)
-
-
 _THREAD_ID = re.compile(r"thread 0x[0-9a-f]+", re.IGNORECASE)
 
 
@@ -294,7 +279,7 @@ def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
             "\nno rank is inside a recorded call (collective or point-to-point): the hang is "
             "in user code"
         )
-    parts.append("\nlast collectives per rank:")
+    parts.append("\nlast communication per rank:")  # collectives, sends and receives
     parts.extend(format_records(obs.records, where=where))
     return parts
 

@@ -16,7 +16,12 @@ from fsdp_testing._report.collective_log import call_name
 from fsdp_testing._report.divergence import injected_faults
 from fsdp_testing._report.failure import explanation, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
-from fsdp_testing._report.hang_report import calls_section, stack_key, timeout_report, trim_stack
+from fsdp_testing._report.hang_report import (
+    calls_section,
+    readable_stack,
+    stack_key,
+    timeout_report,
+)
 from fsdp_testing._report.observation import Observation
 from fsdp_testing._report.p2p import describe_p2p, unmatched
 from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
@@ -275,14 +280,18 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
         if len(first) > 1:
             heading += f" the same error; the traceback of rank {shown}, the first to fail:"
         parts.append(f"\n{heading}\n{message_of(raised[shown]).rstrip()}")
-        for ranks in groups[1 : 1 + VARIANTS_SHOWN]:
+        # One message more (one rank, or ranks failing alike) is shown as the others are; more
+        # than one are summed up by an example.
+        shown_count = VARIANTS_SHOWN + (len(groups) == 2 + VARIANTS_SHOWN)
+        variants = groups[1 : 1 + shown_count]
+        rest = sorted(r for g in groups[1 + shown_count :] for r in g)
+        for ranks in variants:
             same = raised[ranks[0]].summary == raised[shown].summary
             parts.append(
                 f"\n{ranks_heading(ranks, where, of=world)} failed at the same place with "
                 f"{'other values' if same else 'another message'}:\n"
                 f"  {_variant(raised[ranks[0]], raised[shown])}"
             )
-        rest = sorted(r for g in groups[1 + VARIANTS_SHOWN :] for r in g)
         if rest:
             parts.append(
                 f"\n{ranks_heading(rest, where, of=world)} failed at the same place with other "
@@ -290,7 +299,10 @@ def _failure_report(obs: Observation, failed: dict[int, RankResult]) -> str:
             )
 
     stragglers = sorted(r for r in aborted if r in obs.stragglers)
-    stacks = {r: trim_stack(obs.stacks.get(r, "").rstrip()) for r in stragglers}
+    # As a hang report shows them: outermost call first, torch's frames folded.
+    stacks = {
+        r: readable_stack(obs.stacks.get(r, ""), obs.sources.get(r)).rstrip() for r in stragglers
+    }
     for ranks in group_ranks({r: stack_key(text) for r, text in stacks.items()}):
         parts.append(
             f"\n{ranks_heading(ranks, where, of=world)} aborted: still running after "

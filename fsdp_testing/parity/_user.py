@@ -428,7 +428,10 @@ class UserLockstep:
                 accum_steps=accum_steps,
                 device=target,
             )
-            reference_name = f"local: one process, the batches of all {data_world} ranks"
+            batches = f"the batches of all {data_world} ranks"
+            if data_world == 1:  # one data-parallel rank: every rank trains on its batches
+                batches = "the same batches as the ranks"
+            reference_name = f"local: one process, {batches}"
         _validate_names(
             reference_loop.named_full_params(),
             under_test_loop.named_full_params(),

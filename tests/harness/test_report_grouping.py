@@ -154,6 +154,24 @@ def test_ranks_failing_at_one_place_with_other_numbers_share_the_traceback() -> 
     _check_size(message, 100)
 
 
+def test_one_rank_more_failing_at_one_place_is_shown_as_the_others() -> None:
+    # Ranks 1 and 2 are the variants shown; one rank more is shown alike, not "e.g. rank 3".
+    def compare(rank: int) -> None:
+        raise AssertionError(f"Tensor-likes are not close!\nGreatest difference: {rank / 7}")
+
+    message = judge(_world({r: _failed(r, compare, r) for r in range(4)}, 4)).message
+    assert message.splitlines()[-2:] == [
+        "[rank 3] failed at the same place with another message:",
+        "  AssertionError: Tensor-likes are not close! Greatest difference: 0.42857142857142855",
+    ]
+    assert "e.g." not in message
+    # The same for ranks failing alike: one message more, shown with all its ranks.
+    results = {r: _failed(r, compare, min(r, 3)) for r in range(5)}
+    message = judge(_world(results, 5)).message
+    assert "[ranks 3, 4 (2 of 5)] failed at the same place with another message:" in message
+    assert "e.g." not in message
+
+
 def test_long_messages_of_ranks_failing_at_one_place_fit_a_line() -> None:
     # check_parity's divergence on every rank: one place, a long message with each rank's loss.
     def diverged(rank: int) -> None:
@@ -306,7 +324,7 @@ def test_a_crash_in_a_collective_shows_the_collective_log() -> None:
         "collective divergence:\n  rank 0 waits in all_reduce #1 while rank 1 waits in broadcast #1"
         in message
     )
-    assert "last collectives per rank:" in message
+    assert "last communication per rank:" in message
     assert "gloo::EnforceNotMet" in message
 
 
@@ -326,3 +344,40 @@ def test_dead_ranks_that_died_alike_are_one_entry() -> None:
     assert message.splitlines()[0] == "ranks 0-63 (64 of 64) killed by SIGSEGV"
     assert message.count("Segmentation fault") == 1
     _check_size(message, 100)
+
+
+def test_aborted_peers_stacks_read_as_hang_stacks(tmp_path) -> None:
+    # A peer still running after rank 0 failed is stopped; its faulthandler dump is shown as a
+    # hang report shows a stack: outermost call first, sources, torch's frames folded, the
+    # harness's dropped.
+    import os
+
+    import torch
+
+    test_file = tmp_path / "test_x.py"
+    test_file.write_text("def test_x():\n    dist.all_reduce(t)\n")
+    c10d = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
+    logger = os.path.join(os.path.dirname(torch.__file__), "distributed", "c10d_logger.py")
+    dump = (
+        "Current thread 0x{:012x} (most recent call first):\n"
+        f'  File "{c10d}", line 4000 in all_reduce\n'
+        f'  File "{logger}", line 81 in wrapper\n'
+        f'  File "{test_file}", line 2 in test_x\n'
+        '  File "/site/fsdp_testing/_rank/run_task.py", line 80 in run_task\n'
+    )
+    obs = _world(
+        {0: _failed(0, _raise_value, 0)},
+        4,
+        stragglers={1, 2, 3},
+        stacks={r: dump.format(0x7F0000 + r) for r in range(1, 4)},
+    )
+    message = judge(obs).message
+    assert message.split("\n\n")[-1].splitlines() == [
+        "[ranks 1-3 (3 of 4)] aborted: still running after rank 0 failed; they were stopped. "
+        "Where they were (the stack of rank 1):",
+        "Current thread 0x0000007f0001 (most recent call last):",
+        f'  File "{test_file}", line 2 in test_x',
+        "    dist.all_reduce(t)",
+        "  ... 2 frames in torch: wrapper (c10d_logger.py:81) -> all_reduce "
+        "(distributed_c10d.py:4000)",
+    ]

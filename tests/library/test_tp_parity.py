@@ -69,6 +69,8 @@ def test_a_wrong_shard_slice_names_the_tensor_and_the_coordinates():
         check_parity(_build, wrap, _batch, mesh=mesh, layout=LAYOUT)
     message = str(failure.value)
     assert "diverged from the reference" in message and "at step 1 of 3" in message
+    # One data-parallel rank (the mesh is all tensor-parallel): not "the batches of all 1 ranks".
+    assert "the reference (local: one process, the same batches as the ranks)" in message
     assert (
         "0.weight: the shards of 2 of 2 mesh coordinates differ from the reference's: (tp=0), (tp=1)"
         in message

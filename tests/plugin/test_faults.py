@@ -22,7 +22,7 @@ def test_kill_names_rank_signal_and_collective(run: Run) -> None:
     # One numbering (issue 49): the collective the peer was in when the kill broke it has the
     # number the fault has, and a kill is not diagnosed as a hang.
     assert "aborted: its collective (all_gather_into_tensor #3 [" in case.text, case.text
-    assert "hang" not in case.text.split("last collectives per rank")[0], case.text
+    assert "hang" not in case.text.split("last communication per rank")[0], case.text
     assert case.message.startswith(
         "rank 1 killed by SIGKILL at all_gather_into_tensor #3 (injected by faults.kill) (rank 0 aborted)"
     ), case.message

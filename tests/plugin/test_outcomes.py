@@ -44,6 +44,14 @@ def test_unpicklable_fixture_is_named(run: Run) -> None:
     assert case.outcome == "failed"
     assert "fixture or parameter 'unpicklable'" in case.text
     assert "cannot be sent to the rank processes" in case.text
+    # The test's error, the message alone: none of the harness's source above it.
+    assert case.text.startswith(
+        "test_outcomes.py::test_unpicklable_fixture: fixture or parameter 'unpicklable' "
+        "(function) cannot be sent to the rank processes: "
+    ), case.text
+    assert case.text.rstrip().endswith("or use mode='thread'."), case.text
+    assert "\n" not in case.text.strip(), case.text  # one line: no chain, no frames
+    assert "build_task" not in case.text and "pytest_runtest_call" not in case.text
 
 
 def test_failing_rank_named_and_waiting_peer_aborted_promptly(run: Run) -> None:

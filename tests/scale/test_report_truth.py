@@ -180,6 +180,53 @@ def test_errors_inside_helpers_keep_the_helpers_frames(pytester: pytest.Pytester
     assert "fsdp_testing/_rank" not in text
 
 
+CHAINED = """
+import json
+import pytest
+
+def parse(text, *, cause):
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        if cause:
+            raise RuntimeError("the config is broken") from exc
+        raise RuntimeError("the config is broken")
+
+@pytest.mark.parametrize("cause", [True, False], ids=["cause", "context"])
+@pytest.mark.distributed(world_size=2, mode="MODE")
+def test_chained(rank, cause):
+    parse("{", cause=cause)
+"""
+
+
+@pytest.mark.parametrize("mode", ["process", "thread", "local"])
+def test_every_exception_of_a_chain_shows_the_standard_librarys_frames_short(
+    pytester: pytest.Pytester, mode: str
+) -> None:
+    pytester.makepyfile(CHAINED.replace("MODE", mode))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2)
+    # The cause (__cause__) and the context (__context__) as the last exception: json's frames
+    # in pytest's short form (the call, not the function's source), the test's in full.
+    for description in (
+        "The above exception was the direct cause of the following exception:",
+        "During handling of the above exception, another exception occurred:",
+    ):
+        result.stdout.fnmatch_lines(
+            [
+                "*/json/__init__.py:*: in loads",
+                "*/json/decoder.py:*: in raw_decode",
+                "E   json.decoder.JSONDecodeError: Expecting property name enclosed in double*",
+                description,
+                ">*raise RuntimeError(*",
+                "E   *RuntimeError: the config is broken",
+            ]
+        )
+    text = result.stdout.str()
+    assert "def raw_decode(" not in text and "def loads(" not in text, text
+    assert "fsdp_testing/_launch" not in text and "fsdp_testing/_rank" not in text
+
+
 PEERS = """
 import pytest, torch, torch.distributed as dist
 
@@ -242,7 +289,7 @@ def test_a_gloo_abort_on_a_mismatch_shows_the_collective_log(pytester: pytest.Py
             "collective divergence:",
             "  rank 1 waits in broadcast #1 with shapes [[][[]3[]][]] but rank 0 issued it with "
             "[[][[]5[]][]]",
-            "last collectives per rank:",
+            "last communication per rank:",
             "  rank 0:",
             "    broadcast #1 shapes=[[][[]5[]][]] dtype=float32 [[]completed[]]",
             "  rank 1:",
