@@ -435,7 +435,10 @@ class UserLockstep:
             custom=full_state is not None,
         )
         rule = ParityRule(exact=exact, loss=tolerance, params=tolerance)
-        lockstep = Lockstep(reference_loop, under_test_loop, rule=rule)
+        shards = (
+            place.shards(group, wrapped, lambda n: _match_name(n, ref_names)) if place else None
+        )
+        lockstep = Lockstep(reference_loop, under_test_loop, rule=rule, mesh=shards)
         details: Callable[[StepReport], list[str]] | None = None
         if place is not None and isinstance(wrapped, nn.Module):
             layout_of = place

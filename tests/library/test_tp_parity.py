@@ -21,6 +21,8 @@ import tensor_parallel as tp  # noqa: E402
 
 from fsdp_testing.parity import check_parity, layout_from_plan  # noqa: E402
 
+from ._failures import failure_of, first_cause  # noqa: E402
+
 LAYOUT = {"0.weight": 0, "0.bias": 0, "2.weight": 1}
 
 
@@ -65,14 +67,40 @@ def _mlp_with(column: type, row: type, group: dist.ProcessGroup) -> nn.Sequentia
 def test_a_wrong_shard_slice_names_the_tensor_and_the_coordinates():
     mesh = _mesh()
     wrap = _mlp_with(_WrongSlice, tp.RowParallelLinear, mesh.get_group("tp"))
-    with pytest.raises(AssertionError) as failure:
-        check_parity(_build, wrap, _batch, mesh=mesh, layout=LAYOUT)
-    message = str(failure.value)
+    message = failure_of(lambda: check_parity(_build, wrap, _batch, mesh=mesh, layout=LAYOUT))
     assert "diverged from the reference" in message and "at step 1 of 3" in message
     assert (
         "0.weight: the shards of 2 of 2 mesh coordinates differ from the reference's: (tp=0), (tp=1)"
         in message
     )
+    assert first_cause(message) == (
+        "before step 1, rank 0's shard of 0.weight (rows 0-7) equals the reference's rows 8-15; "
+        "rank 1's (rows 8-15) equals rows 0-7: a shard taken from the wrong rank's slice"
+    )
+
+
+@pytest.mark.distributed(world_size=4)
+def test_a_wrong_shard_slice_on_a_dp_by_tp_mesh_is_read_in_the_layouts_shards():
+    # 2 replicas x 2 tensor-parallel ranks: each rank holds 8 rows of 0.weight (the layout
+    # splits across tp only), and both replicas hold the same wrong rows: one line names both.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    column = _mlp_with(_WrongSlice, tp.RowParallelLinear, mesh.get_group("tp"))
+
+    def wrap(model: nn.Sequential, group: object) -> nn.Module:
+        parallel = column(model, group)
+        return nn.parallel.DistributedDataParallel(parallel, process_group=mesh.get_group("dp"))
+
+    message = failure_of(
+        lambda: check_parity(_build, wrap, _batch, mesh=mesh, dp_dims="dp", layout=LAYOUT)
+    )
+    assert first_cause(message) == (
+        "before step 1, the tp=0 shard of 0.weight (rows 0-7), on ranks 0 (dp=0, tp=0) and 2 "
+        "(dp=1, tp=0), equals the reference's rows 8-15; the tp=1 shard (rows 8-15), on ranks 1 "
+        "(dp=0, tp=1) and 3 (dp=1, tp=1), equals rows 0-7: a shard taken from the wrong rank's "
+        "slice"
+    ), message
 
 
 @pytest.mark.distributed(world_size=2)
