@@ -169,6 +169,37 @@ class MeshLayout:
         index, placement = sharded[0]
         return placement.dim, (self.names.index(names[index]),)
 
+    def shape_mismatch(self, name: str, full: tuple[int, ...], model: tuple[int, ...]) -> str:
+        """Why ``name``'s full value has shape ``full`` where the model's is ``model``: what
+        the layout gathered, or that it is not in the layout."""
+        split = self.layout.get(name)
+        if split is None:
+            return (
+                f"{name} is not in layout, so its {full} was taken as the full (replicated) "
+                f"value; if it is a shard, name its dim in layout[{name!r}]"
+            )
+        dim, dims = split
+        world = _prod(self._shape[i] for i in dims)
+        across = ", ".join(self.names[i] for i in dims) or "no mesh dim"
+        local = list(full)
+        if 0 <= dim < len(local) and world > 0:
+            local[dim] //= world
+        line = (
+            f"{name} gathered on dim {dim} across {across} ({world} shards of {tuple(local)}) "
+            f"gives {full}, the model's is {model}"
+        )
+        fits = [
+            d
+            for d in range(len(local))
+            if d != dim
+            and tuple(n * world if i == d else n for i, n in enumerate(local)) == tuple(model)
+        ]
+        if fits:
+            line += f" (gathered on dim {fits[0]} it would be {model})"
+        return (
+            line + f": check layout[{name!r}] (the shard dim, or which mesh dims it splits across)"
+        )
+
     # --- the full state ---------------------------------------------------------------------
 
     def full(self, name: str, param: torch.Tensor) -> torch.Tensor:

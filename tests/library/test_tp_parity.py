@@ -104,6 +104,27 @@ def test_a_wrong_shard_slice_on_a_dp_by_tp_mesh_is_read_in_the_layouts_shards():
 
 
 @pytest.mark.distributed(world_size=2)
+def test_a_shape_the_layout_gathered_wrong_says_what_the_layout_did():
+    mesh = _mesh()
+    wrap = _mlp_with(tp.ColumnParallelLinear, tp.RowParallelLinear, mesh.get_group("tp"))
+    wrong_dim = {**LAYOUT, "2.weight": 0}  # the row-parallel weight is split on dim 1
+    with pytest.raises(ValueError) as failure:
+        check_parity(_build, wrap, _batch, mesh=mesh, layout=wrong_dim)
+    assert (
+        "2.weight gathered on dim 0 across tp (2 shards of (8, 8)) gives (16, 8), the model's is "
+        "(8, 16) (gathered on dim 1 it would be (8, 16)): check layout['2.weight'] (the shard "
+        "dim, or which mesh dims it splits across); or pass full_state="
+    ) in str(failure.value)
+    left_out = {name: dim for name, dim in LAYOUT.items() if name != "2.weight"}
+    with pytest.raises(ValueError) as failure:
+        check_parity(_build, wrap, _batch, mesh=mesh, layout=left_out)
+    assert (
+        "2.weight is not in layout, so its (8, 8) was taken as the full (replicated) value; if it "
+        "is a shard, name its dim in layout['2.weight']; or pass full_state="
+    ) in str(failure.value)
+
+
+@pytest.mark.distributed(world_size=2)
 def test_a_forgotten_forward_all_reduce_is_caught():
     mesh = _mesh()
     wrap = _mlp_with(tp.ColumnParallelLinear, _NoForwardReduce, mesh.get_group("tp"))
