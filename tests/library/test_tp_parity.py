@@ -103,6 +103,37 @@ def test_a_wrong_shard_slice_on_a_dp_by_tp_mesh_is_read_in_the_layouts_shards():
     ), message
 
 
+@pytest.mark.distributed(world_size=4)
+def test_a_dtensor_shard_from_the_wrong_rank_is_read_in_its_placements_shards():
+    # DTensor parameters need no layout: a Shard placement on the tp sub-mesh of a 2 x 2 mesh
+    # splits across tp only, and the other dim's ranks hold the same chunk.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "tp"))
+
+    def wrap(model: nn.Sequential, _: object) -> nn.Module:
+        full = model[0].weight.detach().clone()
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)
+        other = 1 - mesh.get_local_rank("tp")
+        with torch.no_grad():  # planted: the other tp rank's rows
+            model[0].weight.to_local().copy_(full.chunk(2)[other])
+        return model
+
+    message = failure_of(lambda: check_parity(_build, wrap, _batch, mesh=mesh))
+    assert first_cause(message) == (
+        "before step 1, the tp=0 shard of 0.weight (rows 0-7), on ranks 0 (rep=0, tp=0) and 2 "
+        "(rep=1, tp=0), equals the reference's rows 8-15; the tp=1 shard (rows 8-15), on ranks "
+        "1 (rep=0, tp=1) and 3 (rep=1, tp=1), equals rows 0-7: a shard taken from the wrong "
+        "rank's slice"
+    ), message
+
+
 @pytest.mark.distributed(world_size=2)
 def test_a_shape_the_layout_gathered_wrong_says_what_the_layout_did():
     mesh = _mesh()
