@@ -138,6 +138,7 @@ def shard_causes(
     *,
     rank: int,
     world_size: int,
+    who: str | None = None,
 ) -> tuple[Cause, ...]:
     """The causes one rank's local shards support, against the replicated reference.
 
@@ -148,7 +149,10 @@ def shard_causes(
             them, diverging or not.
         rank: this rank's coordinate on the sharded mesh dim.
         world_size: that dim's size.
+        who: how the report names this rank (default ``"rank {rank}"``; on a sub-mesh, e.g.
+            ``"rank 3 (dp=1)"``: its coordinate is not its rank).
     """
+    who = who if who is not None else f"rank {rank}"
     found: list[Cause] = []
     for name, full, local, dim in shards:
         if full.dim() <= dim:
@@ -165,7 +169,7 @@ def shard_causes(
                 found.append(
                     Cause(
                         CauseKind.WRONG_SHARD_SLICE,
-                        f"rank {rank}'s shard of {name} equals the reference's "
+                        f"{who}'s shard of {name} equals the reference's "
                         f"{span_text((start, end), unit)}, expected {where}",
                         "a shard taken from the wrong rank's slice",
                     )
