@@ -80,7 +80,7 @@ def slice_cause(
         mine = span_text(finding.spans[i], finding.unit)
         theirs = span_text(finding.spans[j], finding.unit)
         if named:
-            assert mesh is not None and holders is not None and finding.name is not None
+            assert mesh is not None and holders is not None and finding.name is not None  # mypy
             label = mesh.shard_label(finding.name, i)
             on = mesh.ranks_name(holders(i))
             subject = f"the {label} {what}" if n == 0 else f"the {label} shard"
