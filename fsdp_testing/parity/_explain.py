@@ -31,6 +31,7 @@ from ._causes import (
     Cause,
     Gradients,
     InitialPair,
+    MeshShards,
     ParamStep,
     RankFacts,
     SGDRule,
@@ -86,6 +87,7 @@ class History:
         rank: int,
         world_size: int,
         accum_steps: int,
+        mesh: MeshShards | None = None,
     ) -> StepEvidence | None:
         """The last step as :class:`StepEvidence`; None if nothing was kept.
 
@@ -97,6 +99,7 @@ class History:
             rank: this rank in the group.
             world_size: the group's size.
             accum_steps: forwards per optimizer step.
+            mesh: the device mesh the code ran on (default None).
         """
         if self.after is None or self.before is None:
             return None
@@ -139,6 +142,7 @@ class History:
             accum_steps=accum_steps,
             params=tuple(steps),
             initial=initial,
+            mesh=mesh,
         )
 
 
@@ -162,7 +166,11 @@ def _payload(evidence: StepEvidence, apart: list[str], gross: list[str]) -> dict
 
 
 def explain(
-    evidence: StepEvidence | None, *, diverged: bool, group: dist.ProcessGroup
+    evidence: StepEvidence | None,
+    *,
+    diverged: bool,
+    group: dist.ProcessGroup,
+    mesh: MeshShards | None = None,
 ) -> tuple[Cause, ...]:
     """The likely causes of a step that diverged on some rank, the same list on every rank.
     A collective: every rank of ``group`` calls it, with its own evidence.
@@ -171,6 +179,7 @@ def explain(
         evidence: this rank's numbers (None: nothing was kept; the rank still takes part).
         diverged: the rule found something diverged on this rank.
         group: the ranks that trained.
+        mesh: the device mesh the code ran on, the same on every rank (default None).
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -187,7 +196,7 @@ def explain(
         raise failure
     ranks: Sequence[RankFacts] = everyone
     if any(not f.order for f in ranks):
-        return merge_causes((), ranks)  # a rank kept nothing: its local causes only
+        return merge_causes((), ranks, mesh=mesh)  # a rank kept nothing: its local causes only
     apart = [
         n
         for n in ranks[0].order
@@ -216,5 +225,5 @@ def explain(
         for n in gross
         if all(n in p["gradients"] for p in payloads)
     }
-    cross = cross_rank_causes(ranks, initial=initial_values, gradients=gradients)
-    return merge_causes(cross, ranks)
+    cross = cross_rank_causes(ranks, initial=initial_values, gradients=gradients, mesh=mesh)
+    return merge_causes(cross, ranks, mesh=mesh)

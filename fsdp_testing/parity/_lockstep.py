@@ -36,7 +36,7 @@ from ..models import (
 )
 from ..models._base import resolve_device
 from ..patching import rank_prefix
-from ._causes import Cause, format_causes
+from ._causes import Cause, MeshShards, format_causes
 from ._compare import Divergence, ParityRule, format_divergences, max_abs_diff
 from ._explain import History, explain
 from ._reference import build_reference, reference_body
@@ -69,12 +69,22 @@ class Lockstep:
         reference: the reference's training loop.
         sharded: the sharded model's training loop.
         rule: what the comparison allows.
+        mesh: the device mesh the code under test runs on and how its parameters are split,
+            for the likely causes (default None: each cut into one chunk per rank).
     """
 
-    def __init__(self, reference: TrainingLoop, sharded: TrainingLoop, *, rule: ParityRule):
+    def __init__(
+        self,
+        reference: TrainingLoop,
+        sharded: TrainingLoop,
+        *,
+        rule: ParityRule,
+        mesh: MeshShards | None = None,
+    ):
         self.reference = reference
         self.sharded = sharded
         self.rule = rule
+        self.mesh = mesh
         self.steps_done = 0
         # See [Note: keeping the evidence] in ``_explain``.
         self.history = History()
@@ -235,8 +245,9 @@ class Lockstep:
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
             accum_steps=self.sharded.accum_steps,
+            mesh=self.mesh,
         )
-        return explain(evidence, diverged=bool(report.divergences), group=group)
+        return explain(evidence, diverged=bool(report.divergences), group=group, mesh=self.mesh)
 
 
 def _fail(message: str) -> AssertionError:

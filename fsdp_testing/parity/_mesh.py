@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._causes import MeshShards
+
 __all__ = ["MeshLayout", "layout_from_plan"]
 
 _API = "check_parity"
@@ -123,6 +125,80 @@ class MeshLayout:
         """``(dp=0, tp=1)``."""
         pairs = zip(self.names, coordinate, strict=True)
         return "(" + ", ".join(f"{name}={index}" for name, index in pairs) + ")"
+
+    def shards(
+        self, group: dist.ProcessGroup, module: Any, rename: Callable[[str], str]
+    ) -> MeshShards | None:
+        """Where each rank of ``group`` sits and how each parameter of ``module`` is split, for
+        the likely causes (see [Note: shards on a mesh] in ``_causes``): the layout's, and a
+        DTensor's with one ``Shard`` placement. None if a rank of ``group`` is not in the
+        mesh."""
+        ranks = self.mesh.mesh
+        coordinates = []
+        for rank in range(dist.get_world_size(group)):
+            found = (ranks == dist.get_global_rank(group, rank)).nonzero()
+            if found.shape[0] != 1:
+                return None
+            coordinates.append(tuple(int(i) for i in found[0]))
+        splits = {name: (dim, tuple(dims)) for name, (dim, dims) in self.layout.items()}
+        if isinstance(module, torch.nn.Module):
+            for raw, param in module.named_parameters():
+                split = self._dtensor_split(param)
+                if split is not None:
+                    splits.setdefault(rename(raw), split)
+        return MeshShards(
+            names=tuple(self.names),
+            shape=tuple(self._shape),
+            coordinates=tuple(coordinates),
+            dp_dims=tuple(self.dp),
+            splits=splits,
+        )
+
+    def _dtensor_split(self, param: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+        """A DTensor's (dim, mesh dims) when it has one ``Shard`` placement, the others
+        ``Replicate``, on mesh dims of this mesh's names."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not isinstance(param, DTensor):
+            return None
+        names = param.device_mesh.mesh_dim_names
+        sharded = [(i, p) for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+        others = [p for p in param.placements if not isinstance(p, (Shard, Replicate))]
+        if names is None or len(sharded) != 1 or others or names[sharded[0][0]] not in self.names:
+            return None
+        index, placement = sharded[0]
+        return placement.dim, (self.names.index(names[index]),)
+
+    def shape_mismatch(self, name: str, full: tuple[int, ...], model: tuple[int, ...]) -> str:
+        """Why ``name``'s full value has shape ``full`` where the model's is ``model``: what
+        the layout gathered, or that it is not in the layout."""
+        split = self.layout.get(name)
+        if split is None:
+            return (
+                f"{name} is not in layout, so its {full} was taken as the full (replicated) "
+                f"value; if it is a shard, name its dim in layout[{name!r}]"
+            )
+        dim, dims = split
+        world = _prod(self._shape[i] for i in dims)
+        across = ", ".join(self.names[i] for i in dims) or "no mesh dim"
+        local = list(full)
+        if 0 <= dim < len(local) and world > 0:
+            local[dim] //= world
+        line = (
+            f"{name} gathered on dim {dim} across {across} ({world} shards of {tuple(local)}) "
+            f"gives {full}, the model's is {model}"
+        )
+        fits = [
+            d
+            for d in range(len(local))
+            if d != dim
+            and tuple(n * world if i == d else n for i, n in enumerate(local)) == tuple(model)
+        ]
+        if fits:
+            line += f" (gathered on dim {fits[0]} it would be {model})"
+        return (
+            line + f": check layout[{name!r}] (the shard dim, or which mesh dims it splits across)"
+        )
 
     # --- the full state ---------------------------------------------------------------------
 

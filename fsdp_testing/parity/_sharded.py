@@ -73,7 +73,7 @@ def check_sharded_parity(
     # diverging shards with the full reference, every local gradient with its expected value.
     shards: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
     grads: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    coordinate: tuple[int, int] | None = None  # (rank, size) on a 1-D mesh
+    coordinate: tuple[int, int, str] | None = None  # (rank, size, who) on a 1-D mesh
     pairs = list(
         zip(replicated_module.named_parameters(), sharded_module.named_parameters(), strict=False)
     )
@@ -100,7 +100,10 @@ def check_sharded_parity(
         found += divergence
         mesh = param.device_mesh
         if mesh.ndim == 1 and isinstance(placements[0], Shard):
-            coordinate = (mesh.get_local_rank(), mesh.size())
+            local, who = mesh.get_local_rank(), f"rank {dist.get_rank()}"
+            if local != dist.get_rank() or mesh.size() != dist.get_world_size():
+                who += f" ({(mesh.mesh_dim_names or ('mesh',))[0]}={local})"  # a sub-mesh
+            coordinate = (local, mesh.size(), who)
             if divergence:
                 shards.append(
                     (name, ref_param.detach(), param.to_local().detach(), placements[0].dim)
@@ -131,8 +134,8 @@ def check_sharded_parity(
         if found:
             details += ("\n" if details else "") + format_divergences(found)
             if coordinate is not None:
-                rank, size = coordinate
-                causes = shard_causes(shards, grads, rank=rank, world_size=size)
+                rank, size, who = coordinate
+                causes = shard_causes(shards, grads, rank=rank, world_size=size, who=who)
                 details += "\n" + format_causes(causes)
         raise _fail(f"check_sharded_parity: sharded module differs from the reference:\n{details}")
 

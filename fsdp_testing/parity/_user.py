@@ -108,6 +108,7 @@ def _validate_names(
     reference: list[tuple[str, torch.Tensor]],
     wrapped: list[tuple[str, torch.Tensor]],
     custom: bool,
+    layout: MeshLayout | None = None,
 ) -> None:
     expected = {name: tuple(t.shape) for name, t in reference}
     actual = {name: tuple(t.shape) for name, t in wrapped}
@@ -131,6 +132,9 @@ def _validate_names(
         else "pass full_state=lambda wrapped: {name: full tensor} with the model's parameter "
         "names (a wrapper that keeps flat or sharded parameters must gather them)"
     )
+    if layout is not None and reshaped and not custom:  # what the layout's gathers did
+        said = [layout.shape_mismatch(n, actual[n], expected[n]) for n in reshaped]
+        fix = "; ".join(said) + "; or " + fix
     source = "full_state(wrapped)" if custom else "the wrapped model's parameters"
     raise ValueError(
         f"{_API}: {source} do not match the model's parameters ({'; '.join(lines)}); {fix}"
@@ -436,9 +440,13 @@ class UserLockstep:
             reference_loop.named_full_params(),
             under_test_loop.named_full_params(),
             custom=full_state is not None,
+            layout=place,
         )
         rule = ParityRule(exact=exact, loss=tolerance, params=tolerance)
-        lockstep = Lockstep(reference_loop, under_test_loop, rule=rule)
+        shards = (
+            place.shards(group, wrapped, lambda n: _match_name(n, ref_names)) if place else None
+        )
+        lockstep = Lockstep(reference_loop, under_test_loop, rule=rule, mesh=shards)
         details: Callable[[StepReport], list[str]] | None = None
         if place is not None and isinstance(wrapped, nn.Module):
             layout_of = place

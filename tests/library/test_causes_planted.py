@@ -325,6 +325,31 @@ def test_check_sharded_parity_names_a_shard_cut_from_another_ranks_rows(rank, pr
     )
 
 
+@pytest.mark.distributed(world_size=4)
+def test_check_sharded_parity_on_a_sub_mesh_names_the_rank_and_its_coordinate(rank):
+    """Sharded on the dp dim of a 2 x 2 (rep, dp) mesh: rank 3 is dp coordinate 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))
+    torch.manual_seed(0)
+    reference = MLPStack(8)
+    model = copy.deepcopy(reference)
+    for block in model:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    name, param = next(iter(model.named_parameters()))
+    full = dict(reference.named_parameters())[name].detach()
+    rows, mine = full.shape[0] // 2, mesh.get_local_rank("dp")
+    other = 1 - mine
+    with torch.no_grad():
+        param.to_local().copy_(full[other * rows : (other + 1) * rows])
+    expected = ["rows 0-11", "rows 12-23"]
+    assert first_cause(failure_of(lambda: check_sharded_parity(reference, model))) == (
+        f"rank {rank} (dp={mine})'s shard of 0.in_proj.weight equals the reference's "
+        f"{expected[other]}, expected {expected[mine]}: a shard taken from the wrong rank's slice"
+    )
+
+
 @pytest.mark.distributed(world_size=2)
 def test_check_sharded_parity_names_gradients_summed_by_a_divide_factor_of_one(rank, process_group):
     """``set_gradient_divide_factor(1.0)`` on every unit: each reduces to the plain sum."""

@@ -21,6 +21,8 @@ import tensor_parallel as tp  # noqa: E402
 
 from fsdp_testing.parity import check_parity, layout_from_plan  # noqa: E402
 
+from ._failures import failure_of, first_cause  # noqa: E402
+
 LAYOUT = {"0.weight": 0, "0.bias": 0, "2.weight": 1}
 
 
@@ -65,9 +67,7 @@ def _mlp_with(column: type, row: type, group: dist.ProcessGroup) -> nn.Sequentia
 def test_a_wrong_shard_slice_names_the_tensor_and_the_coordinates():
     mesh = _mesh()
     wrap = _mlp_with(_WrongSlice, tp.RowParallelLinear, mesh.get_group("tp"))
-    with pytest.raises(AssertionError) as failure:
-        check_parity(_build, wrap, _batch, mesh=mesh, layout=LAYOUT)
-    message = str(failure.value)
+    message = failure_of(lambda: check_parity(_build, wrap, _batch, mesh=mesh, layout=LAYOUT))
     assert "diverged from the reference" in message and "at step 1 of 3" in message
     # One data-parallel rank (the mesh is all tensor-parallel): not "the batches of all 1 ranks".
     assert "the reference (local: one process, the same batches as the ranks)" in message
@@ -75,6 +75,86 @@ def test_a_wrong_shard_slice_names_the_tensor_and_the_coordinates():
         "0.weight: the shards of 2 of 2 mesh coordinates differ from the reference's: (tp=0), (tp=1)"
         in message
     )
+    assert first_cause(message) == (
+        "before step 1, rank 0's shard of 0.weight (rows 0-7) equals the reference's rows 8-15; "
+        "rank 1's (rows 8-15) equals rows 0-7: a shard taken from the wrong rank's slice"
+    )
+
+
+@pytest.mark.distributed(world_size=4)
+def test_a_wrong_shard_slice_on_a_dp_by_tp_mesh_is_read_in_the_layouts_shards():
+    # 2 replicas x 2 tensor-parallel ranks: each rank holds 8 rows of 0.weight (the layout
+    # splits across tp only), and both replicas hold the same wrong rows: one line names both.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    column = _mlp_with(_WrongSlice, tp.RowParallelLinear, mesh.get_group("tp"))
+
+    def wrap(model: nn.Sequential, group: object) -> nn.Module:
+        parallel = column(model, group)
+        return nn.parallel.DistributedDataParallel(parallel, process_group=mesh.get_group("dp"))
+
+    message = failure_of(
+        lambda: check_parity(_build, wrap, _batch, mesh=mesh, dp_dims="dp", layout=LAYOUT)
+    )
+    assert first_cause(message) == (
+        "before step 1, the tp=0 shard of 0.weight (rows 0-7), on ranks 0 (dp=0, tp=0) and 2 "
+        "(dp=1, tp=0), equals the reference's rows 8-15; the tp=1 shard (rows 8-15), on ranks 1 "
+        "(dp=0, tp=1) and 3 (dp=1, tp=1), equals rows 0-7: a shard taken from the wrong rank's "
+        "slice"
+    ), message
+
+
+@pytest.mark.distributed(world_size=4)
+def test_a_dtensor_shard_from_the_wrong_rank_is_read_in_its_placements_shards():
+    # DTensor parameters need no layout: a Shard placement on the tp sub-mesh of a 2 x 2 mesh
+    # splits across tp only, and the other dim's ranks hold the same chunk.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "tp"))
+
+    def wrap(model: nn.Sequential, _: object) -> nn.Module:
+        full = model[0].weight.detach().clone()
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)
+        other = 1 - mesh.get_local_rank("tp")
+        with torch.no_grad():  # planted: the other tp rank's rows
+            model[0].weight.to_local().copy_(full.chunk(2)[other])
+        return model
+
+    message = failure_of(lambda: check_parity(_build, wrap, _batch, mesh=mesh))
+    assert first_cause(message) == (
+        "before step 1, the tp=0 shard of 0.weight (rows 0-7), on ranks 0 (rep=0, tp=0) and 2 "
+        "(rep=1, tp=0), equals the reference's rows 8-15; the tp=1 shard (rows 8-15), on ranks "
+        "1 (rep=0, tp=1) and 3 (rep=1, tp=1), equals rows 0-7: a shard taken from the wrong "
+        "rank's slice"
+    ), message
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_shape_the_layout_gathered_wrong_says_what_the_layout_did():
+    mesh = _mesh()
+    wrap = _mlp_with(tp.ColumnParallelLinear, tp.RowParallelLinear, mesh.get_group("tp"))
+    wrong_dim = {**LAYOUT, "2.weight": 0}  # the row-parallel weight is split on dim 1
+    with pytest.raises(ValueError) as failure:
+        check_parity(_build, wrap, _batch, mesh=mesh, layout=wrong_dim)
+    assert (
+        "2.weight gathered on dim 0 across tp (2 shards of (8, 8)) gives (16, 8), the model's is "
+        "(8, 16) (gathered on dim 1 it would be (8, 16)): check layout['2.weight'] (the shard "
+        "dim, or which mesh dims it splits across); or pass full_state="
+    ) in str(failure.value)
+    left_out = {name: dim for name, dim in LAYOUT.items() if name != "2.weight"}
+    with pytest.raises(ValueError) as failure:
+        check_parity(_build, wrap, _batch, mesh=mesh, layout=left_out)
+    assert (
+        "2.weight is not in layout, so its (8, 8) was taken as the full (replicated) value; if it "
+        "is a shard, name its dim in layout['2.weight']; or pass full_state="
+    ) in str(failure.value)
 
 
 @pytest.mark.distributed(world_size=2)

@@ -6,7 +6,7 @@ table of what is recognised, what each cause needs and its guard.
 By role: ``_evidence`` (the typed evidence and causes), ``_math`` (ulps, fits, chunks),
 ``_slices`` (wrong shard slices, initial weights), ``_gradients`` (factors and grids in the
 applied gradients), ``_rank`` (one rank's causes, and local shards), ``_across`` (the causes
-across ranks and the merged list).
+across ranks and the merged list), ``_mesh`` (shards and ranks on a device mesh).
 
 [Note: likely causes]
 When a lockstep step diverges, the harness holds for every parameter its value before and after
@@ -49,9 +49,11 @@ from ._evidence import (
     ParamStep,
     RankFacts,
     SGDRule,
+    SliceFinding,
     StepEvidence,
 )
 from ._math import Gradients
+from ._mesh import MeshShards
 from ._rank import gross_names, local_causes, rank_facts, shard_causes
 
 __all__ = [
@@ -59,9 +61,11 @@ __all__ = [
     "CauseKind",
     "Gradients",
     "InitialPair",
+    "MeshShards",
     "ParamStep",
     "RankFacts",
     "SGDRule",
+    "SliceFinding",
     "StepEvidence",
     "cross_rank_causes",
     "format_causes",

@@ -9,6 +9,13 @@ import torch
 
 from ._evidence import ORDER, Cause, CauseKind, RankFacts
 from ._math import GROSS, Gradients, concat, f64, name_list, norm, plural, rank_list, ulp_slack
+from ._mesh import MeshShards
+from ._slices import slice_cause
+
+
+def _ranks(ranks: Sequence[int], mesh: MeshShards | None) -> str:
+    """``"ranks 0, 1"``; on a mesh of more than one dim, with their coordinates."""
+    return rank_list(ranks) if mesh is None or mesh.plain else mesh.ranks_name(ranks)
 
 
 def _module_of(name: str) -> str:
@@ -41,7 +48,7 @@ def _prefix_cause(facts: Sequence[RankFacts]) -> Cause | None:
     )
 
 
-def _some_ranks_cause(facts: Sequence[RankFacts]) -> Cause | None:
+def _some_ranks_cause(facts: Sequence[RankFacts], mesh: MeshShards | None) -> Cause | None:
     wrong = [f.rank for f in facts if f.gross]
     right = [f.rank for f in facts if not f.diverged]
     if not wrong or not right:
@@ -51,15 +58,17 @@ def _some_ranks_cause(facts: Sequence[RankFacts]) -> Cause | None:
     agree = "matches" if len(right) == 1 else "match"
     return Cause(
         CauseKind.SOME_RANKS_ONLY,
-        f"only {rank_list(wrong)} {verb} ({name_list(names)}); {rank_list(right)} {agree} the "
-        "reference",
+        f"only {_ranks(wrong, mesh)} {verb} ({name_list(names)}); {_ranks(right, mesh)} "
+        f"{agree} the reference",
         "a result that reached only some ranks (a reduce, gather or send where an all-reduce or "
         "all-gather was meant)",
     )
 
 
 def _apart_cause(
-    facts: Sequence[RankFacts], initial: Mapping[str, Sequence[torch.Tensor]]
+    facts: Sequence[RankFacts],
+    initial: Mapping[str, Sequence[torch.Tensor]],
+    mesh: MeshShards | None,
 ) -> Cause | None:
     apart = []
     for name, values in initial.items():
@@ -83,15 +92,41 @@ def _apart_cause(
     others = f" and {plural(len(apart) - 1, 'other parameter')}" if len(apart) > 1 else ""
     return Cause(
         CauseKind.RANKS_STARTED_APART,
-        f"before step 1 the ranks held different {name}{others} (rank {who}'s differs from "
-        f"rank 0's by up to {worst:.3e}; the reference's is the same on every rank)",
+        f"before step 1 the ranks held different {name}{others} ({_ranks([who], mesh)}'s "
+        f"differs from {_ranks([0], mesh)}'s by up to {worst:.3e}; the reference's is the same "
+        "on every rank)",
         "ranks started from different initial weights (broadcast them from one rank, or seed "
         "every rank alike)",
     )
 
 
+def _partial_sum(
+    stacked: torch.Tensor, mesh: MeshShards | None, noise: float
+) -> tuple[str, torch.Tensor, float]:
+    """How the ranks' partial sums add up to the reference's: all of them; on a mesh with
+    data-parallel dims, one per model-parallel coordinate (the mean of its data-parallel
+    replicas), as tensor-parallel partials are summed within a replica."""
+    count = stacked.shape[0]
+    if mesh is None or mesh.plain or not mesh.dp_dims or not mesh.model_parallel:
+        return "sum", stacked.sum(0), noise * count
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(min(count, len(mesh.coordinates))):
+        key = tuple(mesh.coordinates[rank][i] for i in mesh.model_parallel)
+        groups.setdefault(key, []).append(rank)
+    means = [stacked[members].mean(0) for members in groups.values()]
+    spread = max(float((stacked[m] - stacked[m].mean(0)).abs().max()) for m in groups.values())
+    across = ", ".join(mesh.names[i] for i in mesh.model_parallel)
+    replicas = ", ".join(mesh.names[i] for i in mesh.dp_dims)
+    how = f"sum across {across}"
+    if spread > 3 * noise:
+        how += f" (each the mean across {replicas})"
+    return how, torch.stack(means).sum(0), noise * len(groups)
+
+
 def _not_reduced_cause(
-    facts: Sequence[RankFacts], grads: Mapping[str, Sequence[Gradients]]
+    facts: Sequence[RankFacts],
+    grads: Mapping[str, Sequence[Gradients]],
+    mesh: MeshShards | None,
 ) -> Cause | None:
     if len(facts) < 2 or not grads:
         return None
@@ -109,7 +144,7 @@ def _not_reduced_cause(
     stacked = torch.stack([g.actual for g in ranks])
     for how, combined, bound in (
         ("average", stacked.mean(0), noise),
-        ("sum", stacked.sum(0), noise * len(ranks)),
+        _partial_sum(stacked, mesh, noise),
     ):
         off = norm(combined - reference)
         if off <= GROSS * ref_norm + 3 * bound:
@@ -128,11 +163,31 @@ def _not_reduced_cause(
     return None
 
 
+def _slice_on_mesh(facts: Sequence[RankFacts], mesh: MeshShards | None) -> Cause | None:
+    """The lowest rank's wrong slice, each chunk named with every rank that found the same
+    (the data-parallel replicas holding the same thing, in one line; see [Note: shards on a
+    mesh])."""
+    found = [f for f in facts if f.slice is not None]
+    if mesh is None or mesh.plain or not found:
+        return None
+    first = found[0].slice
+    assert first is not None  # for mypy: filtered above
+    name = first.name
+    if name is None or name not in mesh.splits:
+        return None
+    same = [f.rank for f in found if f.slice == first and f.rank < len(mesh.coordinates)]
+    holders = {i: [r for r in same if mesh.chunk_of(r, name) == i] for i, _ in first.moved}
+    if not all(holders.values()):
+        return None
+    return slice_cause(first, mesh=mesh, holders=lambda i: holders[i])
+
+
 def cross_rank_causes(
     facts: Sequence[RankFacts],
     *,
     initial: Mapping[str, Sequence[torch.Tensor]] | None = None,
     gradients: Mapping[str, Sequence[Gradients]] | None = None,
+    mesh: MeshShards | None = None,
 ) -> tuple[Cause, ...]:
     """The causes only several ranks' numbers show, in :class:`CauseKind` order.
 
@@ -141,17 +196,22 @@ def cross_rank_causes(
         initial: for each parameter that differed across ranks before step 1 (where the
             reference's did not), every rank's value.
         gradients: for each grossly diverging parameter, every rank's :class:`Gradients`.
+        mesh: the device mesh the code ran on (default None: none; see [Note: shards on a
+            mesh]).
     """
     found = [
-        _apart_cause(facts, initial or {}),
-        _some_ranks_cause(facts),
+        _apart_cause(facts, initial or {}, mesh),
+        _slice_on_mesh(facts, mesh),
+        _some_ranks_cause(facts, mesh),
         _prefix_cause(facts),
-        _not_reduced_cause(facts, gradients or {}),
+        _not_reduced_cause(facts, gradients or {}, mesh),
     ]
     return tuple(c for c in found if c is not None)
 
 
-def merge_causes(cross: Sequence[Cause], facts: Sequence[RankFacts]) -> tuple[Cause, ...]:
+def merge_causes(
+    cross: Sequence[Cause], facts: Sequence[RankFacts], *, mesh: MeshShards | None = None
+) -> tuple[Cause, ...]:
     """One list for every rank: the cross-rank causes, and of each kind of local cause the
     lowest rank's (named with its ranks when not every diverging rank found it), in
     :class:`CauseKind` order.
@@ -159,6 +219,7 @@ def merge_causes(cross: Sequence[Cause], facts: Sequence[RankFacts]) -> tuple[Ca
     Args:
         cross: :func:`cross_rank_causes`.
         facts: every rank's :class:`RankFacts`.
+        mesh: the device mesh the code ran on (default None), to name ranks by coordinate.
     """
     chosen: dict[CauseKind, Cause] = {c.kind: c for c in cross}
     diverging = [f.rank for f in facts if f.gross] or [f.rank for f in facts if f.diverged]
@@ -171,7 +232,9 @@ def merge_causes(cross: Sequence[Cause], facts: Sequence[RankFacts]) -> tuple[Ca
         cause = next(c for c in holders[0].local if c.kind is kind)
         ranks = [f.rank for f in holders]
         if len(facts) > 1 and not set(diverging) <= set(ranks):
-            cause = dataclasses.replace(cause, evidence=f"on {rank_list(ranks)}: {cause.evidence}")
+            cause = dataclasses.replace(
+                cause, evidence=f"on {_ranks(ranks, mesh)}: {cause.evidence}"
+            )
         chosen[kind] = cause
     if CauseKind.RANKS_STARTED_APART in chosen:
         chosen.pop(CauseKind.INITIAL_STATE_DIFFERS, None)  # the same fact, seen per rank

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._math import Gradients, f64, ulp
+from ._mesh import MeshShards
 
 
 class CauseKind(enum.Enum):
@@ -192,6 +193,8 @@ class StepEvidence:
         accum_steps: forwards per optimizer step (default 1).
         params: every compared parameter, in the model's order.
         initial: every parameter before step 1 (empty: not kept).
+        mesh: the device mesh the code ran on and its parameters' splits (default None: each
+            parameter is cut into ``world_size`` chunks; see [Note: shards on a mesh]).
     """
 
     step: int
@@ -200,6 +203,25 @@ class StepEvidence:
     accum_steps: int = 1
     params: tuple[ParamStep, ...] = ()
     initial: tuple[InitialPair, ...] = ()
+    mesh: MeshShards | None = None
+
+
+class SliceFinding(NamedTuple):
+    """Chunks of a parameter (or of the flat parameters) that equal other chunks of the
+    reference's: what a wrong-slice cause says, before it names the ranks that hold them."""
+
+    where: str
+    """When it was seen: ``"before step 1, "``, ``"at step 2, "``."""
+    how: str
+    """``"equals"``, or ``"stepped from"``."""
+    name: str | None
+    """The parameter (None: the flat parameters)."""
+    unit: str
+    """``"rows"``, ``"columns"``, ``"elements"``, ..."""
+    spans: tuple[tuple[int, int], ...]
+    """``[start, end)`` of each chunk."""
+    moved: tuple[tuple[int, int], ...]
+    """``(i, j)``: chunk ``i`` equals the reference's chunk ``j``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,6 +237,7 @@ class RankFacts:
         initial_digest: each parameter's digest before step 1, the model under test's.
         initial_ref_digest: the same, the reference's.
         local: the causes this rank's own numbers support.
+        slice: what its wrong-slice cause read, for the ranks to name it together on a mesh.
     """
 
     rank: int
@@ -225,6 +248,7 @@ class RankFacts:
     initial_digest: Mapping[str, str] = dataclasses.field(default_factory=dict)
     initial_ref_digest: Mapping[str, str] = dataclasses.field(default_factory=dict)
     local: tuple[Cause, ...] = ()
+    slice: SliceFinding | None = None
 
 
 ORDER = {kind: i for i, kind in enumerate(CauseKind)}

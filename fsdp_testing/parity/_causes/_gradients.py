@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._evidence import Cause, CauseKind, StepEvidence
+from ._evidence import Cause, CauseKind, ParamStep, StepEvidence
 from ._math import (
     FACTOR_MATCH,
     MIN_FACTOR_GAP,
@@ -46,6 +46,11 @@ def factor_cause(
         ):
             return None
     world, accum = evidence.world_size, evidence.accum_steps
+    size = "world size"
+    mesh = evidence.mesh
+    if mesh is not None and mesh.dp_dims and mesh.model_parallel:
+        # Only the data-parallel ranks average gradients (see [Note: shards on a mesh]).
+        world, size = mesh.dp_world, "data-parallel world size"
     total = len(evidence.params)
     if len(used) == total:
         subject = "every gradient"
@@ -58,13 +63,13 @@ def factor_cause(
         also = f"; or accum_steps {accum} not divided" if accum == world else ""
         return Cause(
             CauseKind.GRADIENTS_SUMMED,
-            f"{base} (world size {world})",
+            f"{base} ({size} {world})",
             f"gradients summed, not averaged{also}",
         )
     if world > 1 and close(k, 1 / world, err):
         return Cause(
             CauseKind.GRADIENTS_DIVIDED_TWICE,
-            f"{base} (1/{world}, world size {world})",
+            f"{base} (1/{world}, {size} {world})",
             "gradients divided by the world size twice (averaged, then divided again)",
         )
     if accum > 1 and close(k, accum, err):
@@ -78,50 +83,88 @@ def factor_cause(
     if accum > 1 and close(k, 1 / accum, err):
         known.append(f"1/accum_steps: each micro-batch loss divided by {accum} twice")
     if accum > 1 and world > 1 and close(k, world * accum, err):
-        known.append(
-            f"world size x accum_steps = {world * accum}: summed over ranks and micro-batches"
-        )
+        known.append(f"{size} x accum_steps = {world * accum}: summed over ranks and micro-batches")
     rounded = round(k)
     if not known and rounded >= 2 and close(k, rounded, err):
         known.append(f"a sum of {rounded} terms where their mean was meant")
     hint = f" ({'; '.join(known)})" if known else ""
     return Cause(
         CauseKind.CONSTANT_FACTOR,
-        f"{base}, not a factor of world size {world} or accum_steps {accum}{hint}",
+        f"{base}, not a factor of {size} {world} or accum_steps {accum}{hint}",
         "a constant gradient scale (a loss or gradient scaled, or the learning rate differs)",
     )
 
 
+def _mesh_blocks(
+    evidence: StepEvidence, ordered: list[tuple[ParamStep, Gradients]]
+) -> list[tuple[str, Gradients]]:
+    """Each rank of this rank's replica: its chunks of the split parameters (their real
+    extents; see [Note: shards on a mesh]), named by rank."""
+    mesh = evidence.mesh
+    assert mesh is not None  # for mypy: called with a mesh
+    per_rank: dict[int, list[Gradients]] = {}
+    for p, g in ordered:
+        count = mesh.count(p.name)
+        shape = p.after.shape
+        if count < 2 or len(shape) <= mesh.splits[p.name][0]:
+            continue
+        dim = mesh.splits[p.name][0]
+        for i, (s, e) in enumerate(chunk_spans(shape[dim], count)):
+            holder = mesh.peer(evidence.rank, p.name, i)
+            if e > s and holder is not None:
+                part = (t.view(shape).narrow(dim, s, e - s).reshape(-1) for t in g)
+                per_rank.setdefault(holder, []).append(Gradients(*part))
+    blocks = []
+    for rank, parts in sorted(per_rank.items()):
+        who = f"rank {rank}" if mesh.plain else mesh.ranks_name([rank])
+        merged = concat(parts)
+        if merged is not None:
+            blocks.append((f"{who}'s shards", merged))
+    return blocks
+
+
 def per_slice_cause(evidence: StepEvidence, grads: Mapping[str, Gradients]) -> Cause | None:
-    """Each rank's chunk of the applied gradients (flat, or its rows of every parameter) a
-    constant of its own times the reference's, the constants different."""
+    """Each rank's chunk of the applied gradients (flat, or its rows of every parameter; on a
+    mesh, its shards of the split parameters) a constant of its own times the reference's, the
+    constants different."""
     world = evidence.world_size
     ordered = [(p, grads[p.name]) for p in evidence.params if p.name in grads]
     if world < 2 or len(ordered) < len(evidence.params) or not ordered:
         return None
-    chunkings: list[tuple[str, list[Gradients]]] = []
-    flat = concat(g for _, g in ordered)
-    assert flat is not None  # for mypy: ordered is not empty
-    spans = chunk_spans(flat.reference.numel(), world)
-    chunkings.append(
-        (
-            "flat elements",
-            [Gradients(*(t[s:e] for t in flat)) for s, e in spans if e > s],
+    chunkings: list[tuple[str, list[tuple[str, Gradients]]]] = []
+    if evidence.mesh is not None and evidence.mesh.splits:
+        chunkings.append(("its shards of the split parameters", _mesh_blocks(evidence, ordered)))
+    else:
+        flat = concat(g for _, g in ordered)
+        assert flat is not None  # for mypy: ordered is not empty
+        spans = [(s, e) for s, e in chunk_spans(flat.reference.numel(), world) if e > s]
+        chunkings.append(
+            (
+                "flat elements",
+                [
+                    (f"elements {s}-{e - 1} (rank {r})", Gradients(*(t[s:e] for t in flat)))
+                    for r, (s, e) in enumerate(spans)
+                ],
+            )
         )
-    )
-    per_rank: list[list[Gradients]] = [[] for _ in range(world)]
-    for p, g in ordered:
-        shape = p.after.shape
-        if not shape or shape[0] < world:
-            continue
-        for r, (s, e) in enumerate(chunk_spans(shape[0], world)):
-            if e > s:
-                per_rank[r].append(Gradients(*(t.view(shape)[s:e].reshape(-1) for t in g)))
-    rows = [concat(parts) for parts in per_rank if parts]
-    if len(rows) == world:
-        chunkings.append(("rows of each parameter", [r for r in rows if r is not None]))
+        per_rank: list[list[Gradients]] = [[] for _ in range(world)]
+        for p, g in ordered:
+            shape = p.after.shape
+            if not shape or shape[0] < world:
+                continue
+            for r, (s, e) in enumerate(chunk_spans(shape[0], world)):
+                if e > s:
+                    per_rank[r].append(Gradients(*(t.view(shape)[s:e].reshape(-1) for t in g)))
+        rows = [concat(parts) for parts in per_rank if parts]
+        if len(rows) == world:
+            chunkings.append(
+                (
+                    "rows of each parameter",
+                    [(f"rank {r}'s rows", b) for r, b in enumerate(rows) if b is not None],
+                )
+            )
     for label, blocks in chunkings:
-        fits = [fit(b) for b in blocks]
+        fits = [fit(b) for _, b in blocks]
         if len(fits) < 2 or any(f is None or not f.good or f.error > 0.02 for f in fits):
             continue
         ks = [f.k for f in fits if f is not None]
@@ -131,15 +174,7 @@ def per_slice_cause(evidence: StepEvidence, grads: Mapping[str, Gradients]) -> C
             continue
         if all(abs(k - 1) <= MIN_FACTOR_GAP for k in ks):
             continue
-        if label == "flat elements":
-            shown = [
-                f"elements {s}-{e - 1} (rank {r}) {k:.3f}x"
-                for r, ((s, e), k) in enumerate(
-                    zip([sp for sp in spans if sp[1] > sp[0]], ks, strict=True)
-                )
-            ]
-        else:
-            shown = [f"rank {r}'s rows {k:.3f}x" for r, k in enumerate(ks)]
+        shown = [f"{who} {k:.3f}x" for (who, _), k in zip(blocks, ks, strict=True)]
         listed = ", ".join(shown[:4]) + (f", ... ({len(shown)} slices)" if len(shown) > 4 else "")
         return Cause(
             CauseKind.PER_SLICE_FACTORS,

@@ -8,10 +8,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ._evidence import ORDER, Cause, CauseKind, ParamStep, RankFacts, StepEvidence
+from ._evidence import ORDER, Cause, CauseKind, ParamStep, RankFacts, SliceFinding, StepEvidence
 from ._gradients import factor_cause, low_precision_cause, per_slice_cause
 from ._math import GROSS, Gradients, chunk_spans, f64, name_list, norm, plural, ulp
-from ._slices import DIM_UNITS, initial_causes, slice_after_step, span_text
+from ._slices import (
+    DIM_UNITS,
+    initial_differs,
+    initial_slice,
+    local_slice_cause,
+    slice_after_step,
+    span_text,
+)
 
 
 def _is_gross(param: ParamStep, grads: Gradients | None) -> bool:
@@ -67,15 +74,21 @@ def local_causes(evidence: StepEvidence) -> tuple[Cause, ...]:
     Args:
         evidence: this rank's numbers at the first step that diverged.
     """
+    return _local(evidence)[0]
+
+
+def _local(evidence: StepEvidence) -> tuple[tuple[Cause, ...], SliceFinding | None]:
+    """:func:`local_causes`, and what its wrong-slice cause read."""
     found: list[Cause] = []
-    found += initial_causes(evidence)
     diverged = [p for p in evidence.params if p.diverged]
     grads = {p.name: g for p in evidence.params if (g := p.gradients()) is not None}
     gross = [p.name for p in diverged if _is_gross(p, grads.get(p.name))]
-    if not any(c.kind is CauseKind.WRONG_SHARD_SLICE for c in found):
+    sliced = initial_slice(evidence)
+    if sliced is None:
+        found += initial_differs(evidence)
         sliced = slice_after_step(evidence, [p for p in diverged if p.name in gross])
-        if sliced:
-            found.append(sliced)
+    if sliced:
+        found.append(local_slice_cause(sliced, evidence))
     never = _never_stepped_cause(evidence, _never_stepped(evidence, gross))
     if never:
         found.append(never)
@@ -91,7 +104,7 @@ def local_causes(evidence: StepEvidence) -> tuple[Cause, ...]:
         low = low_precision_cause(evidence, grads, [p.name for p in diverged])
         if low:
             found.append(low)
-    return tuple(sorted(found, key=lambda c: ORDER[c.kind]))
+    return tuple(sorted(found, key=lambda c: ORDER[c.kind])), sliced
 
 
 def rank_facts(
@@ -105,6 +118,7 @@ def rank_facts(
         digest: ``digest(tensor) -> str``, a digest of a tensor's bytes.
     """
     gross = gross_names(evidence)
+    local, sliced = _local(evidence)
     return RankFacts(
         rank=evidence.rank,
         diverged=diverged,
@@ -113,7 +127,8 @@ def rank_facts(
         kept=tuple(_never_stepped(evidence, gross)),
         initial_digest={p.name: digest(p.actual) for p in evidence.initial},
         initial_ref_digest={p.name: digest(p.reference) for p in evidence.initial},
-        local=local_causes(evidence),
+        local=local,
+        slice=sliced,
     )
 
 
@@ -123,6 +138,7 @@ def shard_causes(
     *,
     rank: int,
     world_size: int,
+    who: str | None = None,
 ) -> tuple[Cause, ...]:
     """The causes one rank's local shards support, against the replicated reference.
 
@@ -133,7 +149,10 @@ def shard_causes(
             them, diverging or not.
         rank: this rank's coordinate on the sharded mesh dim.
         world_size: that dim's size.
+        who: how the report names this rank (default ``"rank {rank}"``; on a sub-mesh, e.g.
+            ``"rank 3 (dp=1)"``: its coordinate is not its rank).
     """
+    who = who if who is not None else f"rank {rank}"
     found: list[Cause] = []
     for name, full, local, dim in shards:
         if full.dim() <= dim:
@@ -150,7 +169,7 @@ def shard_causes(
                 found.append(
                     Cause(
                         CauseKind.WRONG_SHARD_SLICE,
-                        f"rank {rank}'s shard of {name} equals the reference's "
+                        f"{who}'s shard of {name} equals the reference's "
                         f"{span_text((start, end), unit)}, expected {where}",
                         "a shard taken from the wrong rank's slice",
                     )

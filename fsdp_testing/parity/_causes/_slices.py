@@ -5,12 +5,13 @@ that differ otherwise."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ._evidence import Cause, CauseKind, ParamStep, StepEvidence
+from ._evidence import Cause, CauseKind, InitialPair, ParamStep, SliceFinding, StepEvidence
 from ._math import chunk_spans, equal_within, f64, plural, ulp_slack
+from ._mesh import MeshShards
 
 
 def _permutation(
@@ -56,21 +57,53 @@ def span_text(span: tuple[int, int], unit: str) -> str:
 
 DIM_UNITS = {0: "rows", 1: "columns"}
 
+_WRONG_SLICE = "a shard taken from the wrong rank's slice"
 
-def _slice_evidence(
-    what: str, moved: list[tuple[int, int]], spans: list[tuple[int, int]], unit: str, how: str
-) -> str:
-    """``"rank 0's shard of w (rows 0-3) equals the reference's rows 4-7; rank 1's (rows 4-7)
-    equals rows 0-3"``: ``what`` is ``"shard of w"``, ``how`` the verb."""
+
+def slice_cause(
+    finding: SliceFinding,
+    *,
+    mesh: MeshShards | None = None,
+    holders: Callable[[int], Sequence[int]] | None = None,
+) -> Cause:
+    """The cause of ``finding``: ``"rank 0's shard of w (rows 0-3) equals the reference's rows
+    4-7; rank 1's (rows 4-7) equals rows 0-3"``, chunk ``i`` rank ``i``'s; or, on a mesh,
+    ``"the tp=0 shard of w (rows 0-3), on ranks 0 (dp=0, tp=0) and 2 (dp=1, tp=0), equals the
+    reference's rows 4-7; ..."``, chunk ``i`` held by ``holders(i)`` (see [Note: shards on a
+    mesh])."""
+    what = (
+        f"shard of {finding.name}" if finding.name is not None else "slice of the flat parameters"
+    )
+    named = mesh is not None and holders is not None and finding.name is not None
     parts = []
-    for n, (i, j) in enumerate(moved[:3]):
-        mine, theirs = span_text(spans[i], unit), span_text(spans[j], unit)
-        if n == 0:
-            parts.append(f"rank {i}'s {what} ({mine}) {how} the reference's {theirs}")
+    for n, (i, j) in enumerate(finding.moved[:3]):
+        mine = span_text(finding.spans[i], finding.unit)
+        theirs = span_text(finding.spans[j], finding.unit)
+        if named:
+            assert mesh is not None and holders is not None and finding.name is not None  # mypy
+            label = mesh.shard_label(finding.name, i)
+            on = mesh.ranks_name(holders(i))
+            subject = f"the {label} {what}" if n == 0 else f"the {label} shard"
+            parts.append(f"{subject} ({mine}), on {on}, {finding.how} ")
         else:
-            parts.append(f"rank {i}'s ({mine}) {how} {theirs}")
-    more = f" (and {len(moved) - 3} more)" if len(moved) > 3 else ""
-    return "; ".join(parts) + more
+            subject = f"rank {i}'s {what}" if n == 0 else f"rank {i}'s"
+            parts.append(f"{subject} ({mine}) {finding.how} ")
+        parts[-1] += f"the reference's {theirs}" if n == 0 else theirs
+    more = f" (and {len(finding.moved) - 3} more)" if len(finding.moved) > 3 else ""
+    return Cause(CauseKind.WRONG_SHARD_SLICE, finding.where + "; ".join(parts) + more, _WRONG_SLICE)
+
+
+def local_slice_cause(finding: SliceFinding, evidence: StepEvidence) -> Cause:
+    """``finding`` as one rank read it: on a mesh, each chunk named by the rank of this rank's
+    replica that holds it."""
+    mesh, name = evidence.mesh, finding.name
+    if mesh is None or mesh.plain or name is None or name not in mesh.splits:
+        return slice_cause(finding)
+    peers = [mesh.peer(evidence.rank, name, i) for i in range(len(finding.spans))]
+    ranks = [p for p in peers if p is not None]
+    if len(ranks) != len(peers):
+        return slice_cause(finding)
+    return slice_cause(finding, mesh=mesh, holders=lambda i: [ranks[i]])
 
 
 def _wrong_slice(
@@ -79,55 +112,65 @@ def _wrong_slice(
     *,
     where: str,
     how: str = "equals",
-) -> Cause | None:
+    mesh: MeshShards | None = None,
+) -> SliceFinding | None:
     """Per parameter along each dim, then over the flat concatenation of all of them (the
     order a flat-buffer wrapper shards): ``pairs`` are (name, actual, expected, per-element
-    slack); a pair whose shapes differ is never a permutation."""
+    slack); a pair whose shapes differ is never a permutation. On a mesh that splits
+    parameters, each split parameter along its split dim into its real chunks only (see
+    [Note: shards on a mesh])."""
+    split = mesh is not None and bool(mesh.splits)
     for name, actual, expected, slack in pairs:
         if actual.shape != expected.shape:
             continue
-        for dim in range(actual.dim()):
-            moved = _permutation(actual, expected, slack, world, dim)
+        if mesh is not None and split:
+            if name not in mesh.splits or mesh.count(name) < 2:
+                continue
+            cuts = [(mesh.splits[name][0], mesh.count(name))]
+        else:
+            cuts = [(dim, world) for dim in range(actual.dim())]
+        for dim, count in cuts:
+            moved = _permutation(actual, expected, slack, count, dim)
             if moved:
-                spans = [s for s in chunk_spans(actual.shape[dim], world) if s[1] > s[0]]
+                spans = [s for s in chunk_spans(actual.shape[dim], count) if s[1] > s[0]]
                 unit = DIM_UNITS.get(dim, f"indices along dim {dim}")
-                text = _slice_evidence(f"shard of {name}", moved, spans, unit, how)
-                return Cause(CauseKind.WRONG_SHARD_SLICE, where + text, _WRONG_SLICE)
-    if pairs and all(a.shape == e.shape for _, a, e, _ in pairs):
+                return SliceFinding(where, how, name, unit, tuple(spans), tuple(moved))
+    if not split and pairs and all(a.shape == e.shape for _, a, e, _ in pairs):
         actual = torch.cat([a.reshape(-1) for _, a, _, _ in pairs])
         expected = torch.cat([e.reshape(-1) for _, _, e, _ in pairs])
         slack = torch.cat([s.reshape(-1) for _, _, _, s in pairs])
         moved = _permutation(actual, expected, slack, world, 0)
         if moved:
             spans = [s for s in chunk_spans(actual.numel(), world) if s[1] > s[0]]
-            text = _slice_evidence("slice of the flat parameters", moved, spans, "elements", how)
-            return Cause(CauseKind.WRONG_SHARD_SLICE, where + text, _WRONG_SLICE)
+            return SliceFinding(where, how, None, "elements", tuple(spans), tuple(moved))
     return None
 
 
-_WRONG_SLICE = "a shard taken from the wrong rank's slice"
-
-
-def initial_causes(evidence: StepEvidence) -> list[Cause]:
-    """Before step 1: a wrong shard slice, else initial weights that differ grossly."""
-    differing = [
+def _differing(evidence: StepEvidence) -> list[InitialPair]:
+    return [
         p
         for p in evidence.initial
         if p.reference.shape != p.actual.shape
         or not torch.equal(p.reference.detach().cpu(), p.actual.detach().cpu())
     ]
-    if not differing:
-        return []
+
+
+def initial_slice(evidence: StepEvidence) -> SliceFinding | None:
+    """Before step 1: a wrong shard slice."""
+    if not _differing(evidence):
+        return None
     pairs = []
     for p in evidence.initial:
         ref, act = p.reference.detach().cpu(), p.actual.detach().cpu()
         slack = ulp_slack(ref, act).view(ref.shape) if ref.shape == act.shape else ref
         pairs.append((p.name, act.to(torch.float64), ref.to(torch.float64), slack))
-    found = _wrong_slice(pairs, evidence.world_size, where="before step 1, ")
-    if found:
-        return [found]
+    return _wrong_slice(pairs, evidence.world_size, where="before step 1, ", mesh=evidence.mesh)
+
+
+def initial_differs(evidence: StepEvidence) -> list[Cause]:
+    """Before step 1, where no wrong slice explains it: initial weights that differ grossly."""
     gross = []
-    for p in differing:
+    for p in _differing(evidence):
         if p.reference.shape != p.actual.shape:
             gross.append((p.name, float("inf")))
             continue
@@ -150,7 +193,7 @@ def initial_causes(evidence: StepEvidence) -> list[Cause]:
     ]
 
 
-def slice_after_step(evidence: StepEvidence, diverged: list[ParamStep]) -> Cause | None:
+def slice_after_step(evidence: StepEvidence, diverged: list[ParamStep]) -> SliceFinding | None:
     """A step that started from (or ended in) another rank's slice: the model's value minus the
     reference's update equals a permutation of the reference's value before the step, or its
     value equals a permutation of the reference's after it."""
@@ -173,9 +216,10 @@ def slice_after_step(evidence: StepEvidence, diverged: list[ParamStep]) -> Cause
         (ended, f"after step {step}, ", "equals"),
     ):
         mine = [pair for pair in pairs if pair[0] in names]
-        found = _wrong_slice(mine, world, where=where, how=how) if mine else None
+        mesh = evidence.mesh
+        found = _wrong_slice(mine, world, where=where, how=how, mesh=mesh) if mine else None
         if found is None:
-            found = _wrong_slice(pairs, world, where=where, how=how)
+            found = _wrong_slice(pairs, world, where=where, how=how, mesh=mesh)
         if found:
             return found
     return None
