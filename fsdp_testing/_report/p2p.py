@@ -127,8 +127,9 @@ def describe_p2p(
 ) -> list[str]:
     """One line per finding about the ranks' point-to-point ops: sizes that differ between a
     send and the receive it meets (both ranks, shapes and lines), sends nobody receives and
-    receives nobody sends (naming where the peer's messages went instead), and each rank's ops
-    still pending. ``finished``: ranks that ended their test, with how (``"returned"``)."""
+    receives nobody sends (naming the peer's op with another tag, or where the peer's messages
+    went instead), and each rank's ops still pending. ``finished``: ranks that ended their
+    test, with how (``"returned"``)."""
     finished = finished or {}
     lines: list[str] = []
     # Sizes: any op whose partner's size differs, pending or not (gloo aborts the receiver).
@@ -157,17 +158,24 @@ def describe_p2p(
             peer = int(e["peer"])
             how = finished.get(peer)
             state = f", and it {how}" if how else ""
+            other = _other_tag(records, rank, e, where)
             if e["family"] == "send":
-                lines.append(
-                    f"{_op(rank, e, where)} has no matching recv: "
+                none = other or (
                     f"{rank_label(peer, where)} posted none from {rank_label(rank, where)}"
-                    f"{_on_tag(e)}{state}{_instead(records, peer, rank, 'recv', where)}"
+                    f"{_on_tag(e)}"
+                )
+                lines.append(
+                    f"{_op(rank, e, where)} has no matching recv: {none}"
+                    f"{state}{_instead(records, peer, rank, 'recv', where)}"
                 )
             else:
-                lines.append(
-                    f"{_op(rank, e, where)} has no matching send: "
+                none = other or (
                     f"{rank_label(peer, where)} sent nothing to {rank_label(rank, where)}"
-                    f"{_on_tag(e)}{state}{_instead(records, peer, rank, 'send', where)}"
+                    f"{_on_tag(e)}"
+                )
+                lines.append(
+                    f"{_op(rank, e, where)} has no matching send: {none}"
+                    f"{state}{_instead(records, peer, rank, 'send', where)}"
                 )
     if len(lines) > LINES_SHOWN:
         lines[LINES_SHOWN - 1 :] = [f"... and {len(lines) - LINES_SHOWN + 1} more like these"]
@@ -177,6 +185,34 @@ def describe_p2p(
 def _on_tag(entry: dict[str, Any]) -> str:
     tag = int(entry.get("tag", 0))
     return f" with tag {tag}" if tag else ""
+
+
+def _other_tag(
+    records: Records, rank: int, entry: dict[str, Any], where: Mapping[int, str] | None
+) -> str | None:
+    """``rank 0's send #1 to rank 1 (at ...) has tag 1, this recv waits for tag 0``: the peer's
+    pending op of the other kind between the same two ranks on the same group, with another tag
+    (the ops would meet but for their tags); None when there is none."""
+    peer, tag = int(entry["peer"]), int(entry.get("tag", 0))
+    want = "recv" if entry["family"] == "send" else "send"
+    for e in records.get(peer, []):
+        if (
+            is_p2p(e)
+            and e["family"] == want
+            and e["state"] in PENDING
+            and e.get("peer") == rank
+            and e["group"] == entry["group"]
+            and int(e.get("tag", 0)) != tag
+        ):
+            at = f" (at {short_place(e['at'])})" if e.get("at") else ""
+            way = "to" if want == "send" else "from"
+            verb = "has" if want == "send" else "waits for"
+            mine = "waits for" if want == "send" else "has"
+            return (
+                f"{rank_label(peer, where)}'s {e['op']} #{e['n']} {way} {rank_label(rank, where)}"
+                f"{at} {verb} tag {int(e.get('tag', 0))}, this {entry['op']} {mine} tag {tag}"
+            )
+    return None
 
 
 def _instead(

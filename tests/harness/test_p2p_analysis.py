@@ -158,3 +158,16 @@ def test_message_counts_outlive_the_ring() -> None:
     records = {0: [_p2p("recv", 7, 1, "waiting", seq=7)], 1: []}
     assert not unmatched(records, {1: {"default|1>0|0": 7}}, 0, records[0][0])
     assert unmatched(records, {1: {"default|1>0|0": 6}}, 0, records[0][0])
+
+
+def test_a_send_and_a_receive_that_differ_only_in_tag_name_both_tags() -> None:
+    # Rank 0 sent to rank 1 with tag 1; rank 1 waits for tag 0: "sent nothing" would be false.
+    records = {0: [_p2p("send", 1, 1, "waiting", tag=1)], 1: [_p2p("recv", 1, 0, "waiting")]}
+    channels = {0: {"default|0>1|1": 1}, 1: {"default|0>1|0": 1}}
+    assert describe_p2p(records, channels) == [
+        "rank 0's send #1 to rank 1 (tag 1) at tests/test_pipe.py:11 has no matching recv: "
+        "rank 1's recv #1 from rank 0 (at tests/test_pipe.py:11) waits for tag 0, this send "
+        "has tag 1",
+        "rank 1's recv #1 from rank 0 at tests/test_pipe.py:11 has no matching send: rank 0's "
+        "send #1 to rank 1 (at tests/test_pipe.py:11) has tag 1, this recv waits for tag 0",
+    ]
