@@ -203,9 +203,9 @@ class Baton:
                 "the line it waits at)."
             )
         if waits & self._p2p:
-            from fsdp_testing._report.hang_report import P2P_ADVICE
+            from fsdp_testing._report.hang_report import P2P_CYCLE_ADVICE, P2P_MATCH_ADVICE
 
-            advice.append(P2P_ADVICE)
+            advice += [P2P_CYCLE_ADVICE, P2P_MATCH_ADVICE]
         extra = [line for line in self.explain() if line]
         return (
             "mode='local': no rank can go on, so a real run would hang here: "

@@ -22,6 +22,7 @@ __all__ = [
     "channel_of",
     "describe_p2p",
     "is_p2p",
+    "never_reached",
     "partner",
     "pending_p2p",
     "unmatched",
@@ -105,6 +106,21 @@ def unmatched(records: Records, channels: Channels, rank: int, entry: dict[str, 
     want = "recv" if entry["family"] == "send" else "send"
     count = channel_count(records, channels, int(entry["peer"]), key, want)
     return count is not None and count < int(entry["seq"])
+
+
+def never_reached(
+    records: Records, channels: Channels, busy: set[int] | frozenset[int]
+) -> dict[int, list[tuple[int, dict[str, Any]]]]:
+    """The ranks that hold the others' messages up: for each rank of ``busy`` (running, but in no
+    recorded call) whose peers wait in an op it has not issued the partner of, those peers and
+    their ops (``{1: [(0, rank 0's recv #1 from rank 1)]}``)."""
+    found: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, ops in sorted(pending_p2p(records).items()):
+        for e in ops:
+            peer = e.get("peer")
+            if peer is not None and peer in busy and unmatched(records, channels, rank, e):
+                found.setdefault(int(peer), []).append((rank, e))
+    return found
 
 
 def _op(rank: int, entry: dict[str, Any], where: Mapping[int, str] | None) -> str:
