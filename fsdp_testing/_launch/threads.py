@@ -150,10 +150,12 @@ def run_rank_threads(
 
     try:
         threads.run(timeout, snapshot)
-        report = any(r.outcome is Outcome.FAILED or r.open_p2p for r in obs.results.values())
+        report = any(
+            r.outcome is Outcome.FAILED or r.open_p2p or r.p2p for r in obs.results.values()
+        )
         if not obs.records and report:
             # The report names the collective each aborted peer was in and the failed rank's
-            # last one, as process mode's does.
+            # last one, as process mode's does; messages' dtypes are compared on both ends.
             obs.records, obs.channels = snapshot()
     finally:
         quiet.remove()

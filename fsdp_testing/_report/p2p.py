@@ -1,5 +1,5 @@
 """Point-to-point ops in the ranks' collective logs: which messages met, which are pending, which
-never can meet, and sends and receives whose sizes differ.
+never can meet, and sends and receives whose sizes or dtypes differ.
 
 A message meets on its channel, (group, source, destination, tag): the k-th send of a source on a
 channel meets the k-th receive of its destination there (gloo's and nccl's rule, and the
@@ -21,6 +21,7 @@ __all__ = [
     "channel_count",
     "channel_of",
     "describe_p2p",
+    "dtype_mismatches",
     "is_p2p",
     "never_reached",
     "partner",
@@ -196,6 +197,46 @@ def describe_p2p(
     if len(lines) > LINES_SHOWN:
         lines[LINES_SHOWN - 1 :] = [f"... and {len(lines) - LINES_SHOWN + 1} more like these"]
     return lines
+
+
+def dtype_mismatches(records: Records, where: Mapping[int, str] | None = None) -> list[str]:
+    """One line per pair of call sites whose messages met with the same size but another dtype
+    (``float32[4]`` received into ``float64[2]``): gloo copies the bytes as they are, so the
+    receiver reads them as its own dtype. Correct code may do so on purpose, so the harness
+    warns (:func:`fsdp_testing._report.verdict.judge`) instead of failing. Only messages whose
+    both ends are still in their ranks' logs are compared (the last 32 calls of each)."""
+    found: dict[tuple[Any, ...], list[str]] = {}
+    for rank, entries in sorted(records.items()):
+        for e in entries:
+            if not is_p2p(e) or e["family"] != "recv" or e.get("state") != "completed":
+                continue
+            met = partner(records, rank, e)
+            if met is None:
+                continue
+            peer, send = met
+            if (
+                send is None
+                or send.get("bytes") != e.get("bytes")
+                or send.get("dtype") == e.get("dtype")
+            ):
+                continue
+            key = (peer, send.get("at"), send.get("dtype"), rank, e.get("at"), e.get("dtype"))
+            found.setdefault(key, []).append(
+                f"dtype mismatch: {_op(peer, send, where)} sends {_shape(send)} but "
+                f"{_op(rank, e, where)} receives {_shape(e)}: the same {e.get('bytes')} bytes, "
+                "read as another dtype (gloo copies a message's bytes without converting them). "
+                "Give both ends one dtype, or filter this warning if the reinterpretation is meant"
+            )
+    lines = []
+    for messages in found.values():
+        more = len(messages) - 1
+        lines.append(messages[0] + (f" (and {more} more like it)" if more else ""))
+    return lines
+
+
+def _shape(entry: dict[str, Any]) -> str:
+    shapes = entry.get("shapes") or [[]]
+    return f"{entry.get('dtype')}{shapes[0]}"
 
 
 def _on_tag(entry: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from fsdp_testing._report.failure import explanation, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.hang_report import calls_section, stack_key, timeout_report, trim_stack
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.p2p import describe_p2p, unmatched
+from fsdp_testing._report.p2p import describe_p2p, dtype_mismatches, unmatched
 from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
@@ -61,6 +61,8 @@ def judge(obs: Observation) -> Verdict:
         for note in res.notes:
             by_note.setdefault(note, []).append(rank)
     verdict.notes = [f"{ranks_phrase(ranks, obs.where)}: {note}" for note, ranks in by_note.items()]
+    # Messages received as another dtype of the same size: gloo allows it, code may mean it.
+    verdict.notes += dtype_mismatches(obs.records, obs.where)
     return verdict
 
 

@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 
+from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.deadlock import find_deadlock
 from fsdp_testing._report.hang_report import timeout_report
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.p2p import describe_p2p, unmatched
+from fsdp_testing._report.p2p import describe_p2p, dtype_mismatches, unmatched
+from fsdp_testing._report.verdict import judge
 
 
 def _p2p(
@@ -223,3 +225,28 @@ def test_only_a_cycle_gets_the_advice_about_order() -> None:
     )
     assert "both send first" not in wrong
     assert "Each send needs a receive of the same size and tag on its peer." in wrong
+
+
+def test_a_message_received_as_another_dtype_of_its_size_is_a_warning() -> None:
+    # float32[4] received into float64[2]: gloo copies the 16 bytes; correct code may mean it.
+    send = _p2p("send", 1, 1, "completed")
+    recv = {**_p2p("recv", 1, 0, "completed"), "dtype": "float64", "shapes": [[2]]}
+    obs = Observation(
+        world_size=2,
+        timeout=10,
+        results={r: RankResult(r, Outcome.PASSED, p2p=True) for r in (0, 1)},
+        records={0: [send, {**send, "n": 2, "seq": 2}], 1: [recv, {**recv, "n": 2, "seq": 2}]},
+    )
+    verdict = judge(obs)
+    assert verdict.outcome == "passed"
+    assert verdict.notes == [
+        "dtype mismatch: rank 0's send #1 to rank 1 at tests/test_pipe.py:11 sends float32[4] "
+        "but rank 1's recv #1 from rank 0 at tests/test_pipe.py:11 receives float64[2]: the same "
+        "16 bytes, read as another dtype (gloo copies a message's bytes without converting "
+        "them). Give both ends one dtype, or filter this warning if the reinterpretation is "
+        "meant (and 1 more like it)"
+    ]
+    # The same dtype, or another size (an error of its own), is no such note.
+    same = {**recv, "dtype": "float32", "shapes": [[4]]}
+    assert dtype_mismatches({0: [send], 1: [same]}) == []
+    assert dtype_mismatches({0: [send], 1: [{**recv, "bytes": 8}]}) == []
