@@ -14,7 +14,8 @@ ranks left are stuck for good (a receive from any rank, a collective whose membe
 the count, or a log that cannot tell, always count as possibly released: the rule never guesses).
 The launchers call this while a test runs and end it at once when the same ranks are found
 stuck, unchanged, in consecutive looks, their threads asleep (``_launch/wait_watch.py``), instead
-of waiting for the timeout.
+of waiting for the timeout. Local mode's scheduler knows the moment no rank can go on; it words
+that deadlock with this rule where the logs show it (``_launch/local.py``).
 """
 
 from __future__ import annotations
