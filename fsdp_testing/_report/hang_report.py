@@ -384,20 +384,19 @@ P2P_MATCH_ADVICE = "Each send needs a receive of the same size and tag on its pe
 
 
 def _p2p_advice(obs: Observation) -> list[str]:
-    """The advice that fits the ranks' waits: a cycle's (the order of the calls), and a
+    """The advice that fits the ranks' waits: a cycle's (the order of the calls), else a
     mismatch's where a rank waits on a peer that is not just busy elsewhere (see
-    :func:`_p2p_holdups`)."""
-    advice = []
+    :func:`_p2p_holdups`), else none."""
     if p2p_cycle(obs.records, obs.channels):
-        advice.append(P2P_CYCLE_ADVICE)
+        return [P2P_CYCLE_ADVICE]
     busy = _busy(obs)
     if any(
         e.get("peer") not in busy and unmatched(obs.records, obs.channels, rank, e)
         for rank, ops in pending_p2p(obs.records).items()
         for e in ops
     ):
-        advice.append(P2P_MATCH_ADVICE)
-    return advice
+        return [P2P_MATCH_ADVICE]
+    return []
 
 
 #: The most ranks whose pending point-to-point ops a report lists one by one.

@@ -213,6 +213,7 @@ def test_a_receive_whose_peer_is_busy_blames_the_peer_and_its_place() -> None:
 def test_only_a_cycle_gets_the_advice_about_order() -> None:
     cycle = _hang({0: [_p2p("recv", 1, 1, "waiting")], 1: [_p2p("recv", 1, 0, "waiting")]}, {})
     assert "two ranks that both send first, or both receive first" in cycle
+    assert "Each send needs a receive" not in cycle  # they match, once ordered
     # Rank 0 sends to rank 2 instead of 1: a cycle (0 on 2, 2 on 1, 1 on 0) of a send and
     # receives, a wrong peer that no order of the calls undoes.
     wrong = _hang(
