@@ -178,6 +178,9 @@ class RankResult:
     open_p2p: tuple[dict[str, Any], ...] = ()
     """The rank's point-to-point ops not completed when its body ended (their collective log
     entries): a send or receive nobody met fails the test (``_report/verdict.py``)."""
+    p2p: bool = False
+    """The rank sent or received a message to or from a given rank: the verdict reads the
+    collective logs to compare the dtypes of the messages' two ends (``_report/p2p.py``)."""
     notes: tuple[str, ...] = ()
     """What the harness noticed on the rank that the report should mention without failing the
     test (state the test left that made its ranks be replaced)."""

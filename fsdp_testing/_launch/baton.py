@@ -14,11 +14,13 @@ had, and ranks never race. The collectives themselves (``local_group.py``) compl
 last rank of the group arrives, with gloo's arithmetic (``local_reduce.py``).
 
 Waiting can end four ways: the collective completed (the rank takes the baton again when its
-turn comes); no rank can run any more while some wait (the ranks waiting raise
-:class:`LocalDeadlock`, a real run would hang there; its message names what every rank waits in
-and each traceback names the line); a peer failed and no rank can run (the ranks waiting are
-aborted, as their peers would be by a real backend); or the launcher stops the world (timeout):
-the waiting ranks raise at once. Nothing waits without the launcher's deadline above it.
+turn comes); no rank can run any more while some wait (a real run would hang there: the baton
+keeps what each rank waits in as :attr:`Baton.deadlock`, and the launcher, which looks for it
+while the ranks run, reports it as a deadlock the way the other modes do, from the ranks' logs
+and stacks, then stops the world); a peer failed and no rank can run (the ranks waiting are
+aborted, as their peers would be by a real backend); or the launcher stops the world (timeout,
+deadlock): the waiting ranks raise at once. Nothing waits without the launcher's deadline above
+it.
 """
 
 from __future__ import annotations
@@ -28,16 +30,11 @@ from collections.abc import Callable
 
 from fsdp_testing._launch.rank_threads import Aborted, acquire_briefly
 from fsdp_testing._rank import process_state
-from fsdp_testing._report.text import ranks_phrase
 
-__all__ = ["Baton", "LocalDeadlock"]
+__all__ = ["Baton"]
 
 _POLL_S = 0.25
 """How often a waiting rank looks at an abort flag set without the lock (see ``abort``)."""
-
-
-class LocalDeadlock(RuntimeError):
-    """No rank of a local world can go on while some wait in collectives: a real run hangs."""
 
 
 class Baton:
@@ -59,11 +56,8 @@ class Baton:
         self._entered = 0  # the first turn is given once every rank thread has started
         self._ready: set[int] = set()
         self._waiting: dict[int, str] = {}  # rank -> what it waits in
-        self._p2p: set[int] = set()  # waiting ranks whose wait is a point-to-point op
-        self.explain: Callable[[], list[str]] = list
-        """Extra lines for a deadlock's message (the world's messages nobody will take)."""
         self._finished: dict[int, bool] = {}  # rank -> whether its test failed
-        self._deadlock: str | None = None
+        self._deadlock: dict[int, str] | None = None
         self._aborted = False
         initial = process_state.capture()
         self._states = dict.fromkeys(range(world_size), initial)
@@ -79,12 +73,12 @@ class Baton:
             self._dispatch()
             self._wait_turn(rank)
 
-    def block(self, rank: int, what: str, done: Callable[[], bool], *, p2p: bool = False) -> None:
-        """The holder ``rank`` waits (in ``what``, a point-to-point op if ``p2p``) until
-        ``done()``; others run meanwhile.
+    def block(self, rank: int, what: str, done: Callable[[], bool]) -> None:
+        """The holder ``rank`` waits (in ``what``) until ``done()``; others run meanwhile. When
+        no rank can run any more, it waits until the launcher, which reports the deadlock,
+        stops the world.
 
         Raises:
-            LocalDeadlock: no rank can run any more and ``done()`` is still false.
             Aborted: a peer failed and nothing can run, or the launcher stopped the world.
         """
         while not done():
@@ -92,15 +86,11 @@ class Baton:
                 if self._aborted:
                     raise Aborted()
                 self._waiting[rank] = what
-                if p2p:
-                    self._p2p.add(rank)
-                else:
-                    self._p2p.discard(rank)
                 self._holder = None
                 self._dispatch()
                 self._wait_turn(rank)
             if not done() and self.broken:
-                self._raise_stuck(rank)
+                raise Aborted()
             # else: woken for a message that was not the one awaited (a receive): wait again
 
     def wake(self, ranks: list[int]) -> None:
@@ -125,6 +115,17 @@ class Baton:
         """A deadlock was found or the world was stopped: no collective can complete."""
         return self._deadlock is not None or self._aborted
 
+    @property
+    def deadlock(self) -> dict[int, str] | None:
+        """Once no rank can run while some wait (and none failed): what each waiting rank
+        waits in (``"send #1 to rank 2 (at tests/test_pipe.py:26)"``); else None."""
+        return self._deadlock
+
+    @property
+    def finished(self) -> dict[int, bool]:
+        """The ranks whose thread ended, and whether their test failed."""
+        return dict(self._finished)
+
     # --- called by the launcher's thread ----------------------------------------------------
 
     def abort(self) -> None:
@@ -145,16 +146,15 @@ class Baton:
         if self._ready:
             self._holder = min(self._ready)
             self._ready.discard(self._holder)
-        elif self._waiting:
+        elif self._waiting and self._deadlock is None:
             # Nothing can run and someone waits: every waiting rank is stuck for good. After a
-            # failure its peers are aborted; otherwise it is a deadlock, which each waiting
-            # rank in turn reports.
-            if self._deadlock is None:
-                if any(self._finished.values()):
-                    self._aborted = True
-                else:
-                    self._deadlock = self._describe_deadlock()
-            self._holder = min(self._waiting)
+            # failure its peers are aborted; otherwise it is a deadlock, which the launcher
+            # reports (the ranks wait, asleep, until it stops the world).
+            if any(self._finished.values()):
+                self._aborted = True
+                self._holder = min(self._waiting)
+            else:
+                self._deadlock = dict(self._waiting)
         if self._holder is not None:
             self._turns[self._holder].notify()
 
@@ -173,48 +173,3 @@ class Baton:
             self._states[self._loaded] = process_state.capture()
         process_state.apply(self._states[rank])
         self._loaded = rank
-
-    def _raise_stuck(self, rank: int) -> None:
-        with self._cond:
-            self._waiting.pop(rank, None)
-            if self._aborted or self._deadlock is None:
-                raise Aborted()
-            message = self._deadlock
-        raise LocalDeadlock(message)
-
-    def _describe_deadlock(self) -> str:
-        by_what: dict[str, list[int]] = {}
-        for rank, what in sorted(self._waiting.items()):
-            by_what.setdefault(what, []).append(rank)
-        parts = [
-            f"{_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} in {what}"
-            for what, ranks in by_what.items()
-        ]
-        for failed, how in ((False, "returned"), (True, "failed")):
-            finished = sorted(r for r, f in self._finished.items() if f is failed)
-            if finished:
-                parts.append(f"{_ranks(finished)} finished the test ({how})")
-        waits = set(self._waiting)
-        advice = []
-        if waits - self._p2p:
-            advice.append(
-                "Every rank of a group must issue the same collectives in the same order; "
-                "look for control flow that depends on the rank (each rank's traceback shows "
-                "the line it waits at)."
-            )
-        if waits & self._p2p:
-            from fsdp_testing._report.hang_report import P2P_ADVICE
-
-            advice.append(P2P_ADVICE)
-        extra = [line for line in self.explain() if line]
-        return (
-            "mode='local': no rank can go on, so a real run would hang here: "
-            + "; ".join(parts)
-            + ". "
-            + "".join(f"{line}. " for line in extra)
-            + " ".join(advice)
-        )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ranks_phrase(ranks)

@@ -10,16 +10,83 @@ core, with each rank's own RNG; ``docs/scale.md`` compares the options.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 from fsdp_testing._launch.baton import Baton
 from fsdp_testing._launch.threads import run_rank_threads
+from fsdp_testing._launch.wait_watch import Snapshot
 from fsdp_testing._protocol import Outcome, RankResult, Task
-from fsdp_testing._report import collective_log
+from fsdp_testing._report.deadlock import Deadlock, find_deadlock
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.p2p import describe_p2p
+from fsdp_testing._report.text import ranks_phrase
 
 __all__ = ["LocalLauncher"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatonDeadlock:
+    """A deadlock the baton found that the ranks' logs do not show whole (a receive from any
+    rank, a wait the logs cannot tell): the logs' lines for the ranks they show, then what each
+    other rank waits in, as the baton saw it."""
+
+    ranks: tuple[int, ...]
+    shown: Deadlock | None
+    """What the logs prove, for some of the ranks."""
+    others: dict[int, str]
+    """The other ranks: what each waits in."""
+    ended: dict[int, bool]
+    """Ranks that ended their test: whether it failed."""
+
+    def lines(
+        self, finished: Mapping[int, str] | None = None, where: Mapping[int, str] | None = None
+    ) -> list[str]:
+        out = self.shown.lines(finished, where) if self.shown is not None else []
+        by_what: dict[str, list[int]] = {}
+        for rank, what in sorted(self.others.items()):
+            by_what.setdefault(what, []).append(rank)
+        for what, ranks in by_what.items():
+            out.append(f"{ranks_phrase(ranks, where)} wait{'s' * (len(ranks) == 1)} in {what}")
+        for failed, how in ((False, "returned"), (True, "failed")):
+            ended = [r for r, f in sorted(self.ended.items()) if f is failed]
+            if ended:
+                out.append(f"{ranks_phrase(ended, where)} finished the test ({how})")
+        return out
+
+
+class _BatonWatch:
+    """Local mode's deadlock watch: the baton knows the moment no rank can go on, and every
+    rank's log holds still from then on, so the deadlock is reported at once, in the words of
+    the other modes' (``_report/deadlock.py``), where the logs show it.
+
+    Args:
+        baton: the world's scheduler.
+        read: every rank's collective log and message counts.
+    """
+
+    def __init__(self, baton: Baton, read: Callable[[], Snapshot]) -> None:
+        self._baton = baton
+        self._read = read
+        self._start = time.monotonic()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def look(self, finished: Iterable[int]) -> Deadlock | _BatonDeadlock | None:
+        waiting = self._baton.deadlock
+        if not waiting:
+            return None
+        records, channels = self._read()
+        found = find_deadlock(records, channels, frozenset(finished))
+        if found is not None and set(found.ranks) == set(waiting):
+            return found
+        shown = found if found is not None and set(found.ranks) < set(waiting) else None
+        others = {r: w for r, w in waiting.items() if shown is None or r not in shown.ranks}
+        ended = {} if shown is not None else self._baton.finished
+        return _BatonDeadlock(tuple(sorted(waiting)), shown, others, ended)
 
 
 def _set_thread_isolation(enabled: bool) -> None:
@@ -54,15 +121,6 @@ class LocalLauncher:
             # that split work by thread count then add up the same way.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         baton = Baton(world_size)
-        recorders = {r: collective_log.FlightRecorder() for r in range(world_size)}
-
-        def explain() -> list[str]:
-            # The baton found a deadlock: every rank thread is blocked, the logs hold still.
-            records = {r: rec.snapshot() for r, rec in recorders.items()}
-            channels = {r: dict(rec.channels) for r, rec in recorders.items()}
-            return describe_p2p(records, channels)
-
-        baton.explain = explain
         local_group.set_current_world(local_group.LocalWorld(baton))
         _set_thread_isolation(True)
         mtpg._install_threaded_pg()  # per-thread c10d state; autograd runs on the rank's thread
@@ -85,7 +143,7 @@ class LocalLauncher:
                 enter=enter,
                 leave=leave,
                 wake_on_failure=False,  # the baton aborts a failed rank's peers itself
-                recorders=recorders,
+                watch=lambda read, asleep: _BatonWatch(baton, read),
             )
         finally:
             mtpg._uninstall_threaded_pg()

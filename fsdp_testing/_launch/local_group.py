@@ -424,7 +424,7 @@ class LocalGroup(dist.ProcessGroup):
             what = call_name(entry) if entry else "a point-to-point op"
             if entry and entry.get("at"):
                 what += f" (at {short_place(entry['at'])})"
-            world.baton.block(me, what, lambda: transfer.done, p2p=True)
+            world.baton.block(me, what, lambda: transfer.done)
         if transfer.error is not None:
             raise RuntimeError(transfer.error)
 

@@ -348,8 +348,9 @@ class ProcessLauncher:
             self._rank_imports.update(dict.fromkeys(imports_of(gen, obs.stragglers)))
         self._read_messages(gen, obs)
         failed = any(r.outcome is Outcome.FAILED for r in obs.results.values())
-        in_flight = any(r.open_p2p for r in obs.results.values())
-        if failed or obs.stragglers or obs.dead or in_flight:  # only a report reads them
+        # Only a report reads them, and the check of the dtypes of each message's two ends.
+        p2p = any(r.open_p2p or r.p2p for r in obs.results.values())
+        if failed or obs.stragglers or obs.dead or p2p:
             for rank in range(gen.world_size):
                 obs.records[rank], obs.channels[rank] = collective_log.read_record_file(
                     os.path.join(gen.gen_dir, f"rank{rank}.flight")

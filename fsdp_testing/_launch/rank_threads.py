@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable, Iterable
 
 from fsdp_testing._launch.deadline import FAILURE_GRACE_S, Deadline
-from fsdp_testing._launch.wait_watch import WaitWatch, note_deadlock, threads_asleep
+from fsdp_testing._launch.wait_watch import DeadlockWatch, note_deadlock, threads_asleep
 from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.observation import Observation
 
@@ -102,7 +102,7 @@ class RankThreads:
         wake: Callable[[], None],
         *,
         wake_on_failure: bool = True,
-        watch: WaitWatch | None = None,
+        watch: DeadlockWatch | None = None,
     ) -> None:
         self.obs = obs
         self._watch = watch
@@ -146,7 +146,7 @@ class RankThreads:
                 obs.results[rank] = _teardown_failure(rank, obs)
 
     def asleep(self, ranks: tuple[int, ...]) -> bool:
-        """Whether the threads of ``ranks`` are asleep (for a :class:`WaitWatch`)."""
+        """Whether the threads of ``ranks`` are asleep (for a ``WaitWatch``)."""
         return threads_asleep(
             t.native_id for r, t in self.threads.items() if r in ranks and t.native_id
         )

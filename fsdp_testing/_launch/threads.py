@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp_testing._launch.rank_threads import Aborted, RankThreads
-from fsdp_testing._launch.wait_watch import WaitWatch
+from fsdp_testing._launch.wait_watch import DeadlockWatch, Snapshot, WaitWatch
 from fsdp_testing._protocol import Outcome, RankResult, Task
 from fsdp_testing._rank import comm_observer
 from fsdp_testing._rank.capture import install_router
@@ -82,7 +82,8 @@ def run_rank_threads(
     leave: Callable[[int, RankResult], None] | None = None,
     ended: Callable[[int], None] | None = None,
     wake_on_failure: bool = True,
-    watch_deadlocks: bool = False,
+    watch: Callable[[Callable[[], Snapshot], Callable[[tuple[int, ...]], bool]], DeadlockWatch]
+    | None = None,
     recorders: dict[int, collective_log.FlightRecorder] | None = None,
 ) -> Observation:
     """Run ``task`` on one thread per rank of ``ranks`` in this process, each joining a
@@ -91,7 +92,9 @@ def run_rank_threads(
     (local mode's baton); ``ended(rank)`` right after its test body, before the rank leaves its
     process group (thread mode's turns); ``wake()`` stops the ranks' waits, as soon as a rank
     fails unless ``wake_on_failure`` is False (see [Note: stopping rank threads]);
-    ``watch_deadlocks`` ends the test at a certain deadlock (``wait_watch.py``); ``recorders``
+    ``watch(snapshot, asleep)`` makes what ends the test at a certain deadlock (a
+    ``wait_watch.WaitWatch``, which reads the ranks' logs with ``snapshot()`` and asks
+    ``asleep(ranks)`` of their threads, or local mode's watch of its baton); ``recorders``
     are the ranks' collective logs (default: new ones)."""
     import torch
     import torch.distributed as dist
@@ -143,17 +146,17 @@ def run_rank_threads(
         records = {r: rec.snapshot() for r, rec in recorders.items()}
         return records, {r: dict(rec.channels) for r, rec in recorders.items()}
 
-    watch = None
-    if watch_deadlocks:
-        watch = WaitWatch(snapshot, lambda stuck: threads.asleep(stuck))
-    threads = RankThreads(ranks, body, obs, wake, wake_on_failure=wake_on_failure, watch=watch)
+    looks = None if watch is None else watch(snapshot, lambda stuck: threads.asleep(stuck))
+    threads = RankThreads(ranks, body, obs, wake, wake_on_failure=wake_on_failure, watch=looks)
 
     try:
         threads.run(timeout, snapshot)
-        report = any(r.outcome is Outcome.FAILED or r.open_p2p for r in obs.results.values())
+        report = any(
+            r.outcome is Outcome.FAILED or r.open_p2p or r.p2p for r in obs.results.values()
+        )
         if not obs.records and report:
             # The report names the collective each aborted peer was in and the failed rank's
-            # last one, as process mode's does.
+            # last one, as process mode's does; messages' dtypes are compared on both ends.
             obs.records, obs.channels = snapshot()
     finally:
         quiet.remove()
@@ -188,7 +191,7 @@ class ThreadLauncher:
                 wake=thread_group.wake,
                 enter=turns.enter,
                 ended=lambda rank: turns.leave(),
-                watch_deadlocks=True,
+                watch=WaitWatch,
             )
 
     def shutdown(self) -> None:

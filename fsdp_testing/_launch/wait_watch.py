@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from fsdp_testing._report.deadlock import Deadlock, find_deadlock
+from fsdp_testing._report.deadlock import find_deadlock
 
 __all__ = [
     "CONFIRM_S",
     "FIRST_LOOK_S",
     "POLL_S",
+    "DeadlockWatch",
+    "FoundDeadlock",
     "WaitWatch",
     "note_deadlock",
     "process_asleep",
@@ -36,6 +38,35 @@ CONFIRM_S = 0.5
 """How long a wait cycle must stay as it is before it counts as certain."""
 
 Snapshot = tuple[Mapping[int, list[dict[str, Any]]], Mapping[int, Mapping[str, int] | None]]
+
+
+class FoundDeadlock(Protocol):
+    """A deadlock a watch found (``_report/deadlock.py``'s :class:`Deadlock`, or local mode's)."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks that can never go on."""
+        ...
+
+    def lines(
+        self, finished: Mapping[int, str] | None = None, where: Mapping[int, str] | None = None
+    ) -> list[str]:
+        """The deadlock in words (``finished``: ranks that ended their test, and how)."""
+        ...
+
+
+class DeadlockWatch(Protocol):
+    """What a launcher asks while its ranks run: :class:`WaitWatch` reads the ranks' logs;
+    local mode's scheduler knows at once (``_launch/local.py``)."""
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the test started."""
+        ...
+
+    def look(self, finished: Iterable[int]) -> FoundDeadlock | None:
+        """The certain deadlock among the ranks not in ``finished``, if one is found now."""
+        ...
 
 
 def threads_asleep(tids: Iterable[int]) -> bool:
@@ -83,7 +114,7 @@ class WaitWatch:
         """Seconds until the next look is due (0: now)."""
         return max(0.0, self._next - time.monotonic())
 
-    def look(self, finished: Iterable[int]) -> Deadlock | None:
+    def look(self, finished: Iterable[int]) -> FoundDeadlock | None:
         """The certain deadlock among the ranks not in ``finished``, if one is found now (a look
         happens only when due; between looks this returns None at once)."""
         now = time.monotonic()
@@ -106,7 +137,7 @@ class WaitWatch:
         return found
 
 
-def note_deadlock(obs: Any, found: Deadlock, elapsed: float) -> None:
+def note_deadlock(obs: Any, found: FoundDeadlock, elapsed: float) -> None:
     """Write a certain deadlock into the test's observation (its report is a hang report that
     says so)."""
     finished = {r: _how(res) for r, res in obs.results.items()}

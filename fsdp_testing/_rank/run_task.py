@@ -73,10 +73,12 @@ def _faults_injected(task: Task, ctx: RankContext) -> Iterator[None]:
 def _note_open_p2p(result: RankResult) -> None:
     """Point-to-point ops the body left in flight: the verdict fails a test whose ops nobody
     met, and a warm process group with a message in flight cannot serve the next test (it would
-    meet that test's first op on the channel)."""
+    meet that test's first op on the channel). Whether the body sent or received at all: the
+    verdict then compares the dtypes of each message's ends."""
     from fsdp_testing._rank.comm_observer import current_recorder
 
     recorder = current_recorder()
+    result.p2p = recorder is not None and bool(recorder.channels)
     if recorder is not None and recorder.open:
         result.open_p2p = tuple(dict(e) for e in recorder.open.values())
         result.needs_restart = True

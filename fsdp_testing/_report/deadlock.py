@@ -14,7 +14,8 @@ ranks left are stuck for good (a receive from any rank, a collective whose membe
 the count, or a log that cannot tell, always count as possibly released: the rule never guesses).
 The launchers call this while a test runs and end it at once when the same ranks are found
 stuck, unchanged, in consecutive looks, their threads asleep (``_launch/wait_watch.py``), instead
-of waiting for the timeout.
+of waiting for the timeout. Local mode's scheduler knows the moment no rank can go on; it words
+that deadlock with this rule where the logs show it (``_launch/local.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fsdp_testing._report.collective_log import call_name, expand_ranks, is_insi
 from fsdp_testing._report.p2p import PENDING, channel_count, channel_of, is_p2p
 from fsdp_testing._report.text import rank_label, ranks_phrase, short_place
 
-__all__ = ["Deadlock", "blocking_entry", "find_deadlock"]
+__all__ = ["Deadlock", "blocking_entry", "find_deadlock", "p2p_cycle"]
 
 #: The most ranks of one wait cycle a report spells out.
 CYCLE_SHOWN = 4
@@ -205,3 +206,23 @@ def find_deadlock(
         (r, e.get("family"), e.get("n"), e.get("seq"), e.get("group")) for r, (e, _) in kept.items()
     )
     return Deadlock(tuple(sorted(stuck)), kept, key)
+
+
+def p2p_cycle(records: Records, channels: Channels) -> bool:
+    """Whether some ranks' blocking calls wait on each other in a cycle whose point-to-point ops
+    are all sends or all receives (two ranks that both send first, or both receive first; a
+    ring whose ranks all send first): the cycles that ordering the calls undoes. A cycle of a
+    send and a receive is a mismatch instead (another tag, another peer): they would have met."""
+    waits: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
+    for rank, entries in records.items():
+        entry = blocking_entry(entries)
+        if entry is None or entry.get("state") not in PENDING:
+            continue
+        on = _waits_on(rank, entry, records, channels)
+        if on:
+            waits[rank] = (entry, on)
+    for start in waits:
+        kinds = {waits[r][0]["family"] for r in _cycle_from(start, waits) if is_p2p(waits[r][0])}
+        if len(kinds) == 1:
+            return True
+    return False

@@ -5,6 +5,7 @@ and the stack of every rank still running, with the harness's own frames trimmed
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import linecache
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 from fsdp_testing._protocol import Outcome, RankResult
 from fsdp_testing._report.collective_log import call_name
-from fsdp_testing._report.deadlock import blocking_entry
+from fsdp_testing._report.deadlock import blocking_entry, p2p_cycle
 from fsdp_testing._report.divergence import (
     describe_divergence,
     format_records,
@@ -26,11 +27,12 @@ from fsdp_testing._report.failure import USER_FACING_PRIVATE, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.imports import Importing, importing
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.p2p import describe_p2p, pending_p2p
+from fsdp_testing._report.p2p import describe_p2p, never_reached, pending_p2p, unmatched
 from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
 
 __all__ = [
-    "P2P_ADVICE",
+    "P2P_CYCLE_ADVICE",
+    "P2P_MATCH_ADVICE",
     "calls_section",
     "importing_in",
     "readable_stack",
@@ -213,10 +215,83 @@ def _finished_phrase(result: RankResult) -> str:
     return f"finished the test ({result.outcome.value})"
 
 
+def _callee(source: str) -> str | None:
+    """``time.sleep`` for ``time.sleep(60)  # ...``: the outermost call of a line of source
+    (None: the line is no whole statement, or calls nothing by a plain name)."""
+    try:
+        tree = ast.parse(source.strip())
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):  # breadth first: the outermost call comes first
+        if isinstance(node, ast.Call):
+            return (
+                ast.unparse(node.func) if isinstance(node.func, ast.Name | ast.Attribute) else None
+            )
+    return None
+
+
+def _place_in(stack: str, sources: Mapping[str, str] | None) -> str | None:
+    """``in time.sleep at tests/test_pipe.py:14``: where a rank's stack dump shows the test
+    thread, in the innermost frame outside the harness (None: the dump shows no frame)."""
+    for _, frames in _threads(stack):
+        kept = [f for f in frames if not _is_harness(f.path)]
+        mine = [f for f in kept if not _is_torch(f.path)]
+        if not mine:
+            continue
+        user, inner = mine[-1], kept[-1]
+        place = short_place(f"{user.path}:{user.line}")
+        if inner is not user:
+            torch_at = f"{os.path.basename(inner.path)}:{inner.line}"
+            return f"in torch's {inner.func} ({torch_at}), called at {place}"
+        source = (sources or {}).get(f"{user.path}:{user.line}") or linecache.getline(
+            user.path, user.line
+        )
+        callee = _callee(source) if source else None
+        return f"in {callee} at {place}" if callee else f"at {place}"
+    return None
+
+
+def _busy(obs: Observation, skip: set[int] | frozenset[int] = frozenset()) -> set[int]:
+    """Ranks still running that their logs show in no call: busy in their own code."""
+    return {
+        r
+        for r in obs.stragglers - skip
+        if r in obs.records and blocking_entry(obs.records[r]) is None
+    }
+
+
+def _p2p_holdups(obs: Observation, skip: set[int] | frozenset[int]) -> list[str]:
+    """``rank 1 hangs: it never reached a send to rank 0, which rank 0's recv #1 waits for; rank
+    1 is in time.sleep at tests/test_pipe.py:14``: ranks still running, in none of their calls,
+    whose peers wait in a message to or from them."""
+    where = obs.where
+    lines = []
+    for rank, waits in sorted(never_reached(obs.records, obs.channels, _busy(obs, skip)).items()):
+        clauses = []
+        for waiter, e in waits[:WAITS_SHOWN]:
+            partner = "a send to" if e["family"] == "recv" else "a recv from"
+            clauses.append(
+                f"{partner} {rank_label(waiter, where)}, which {rank_label(waiter, where)}'s "
+                f"{e['op']} #{e['n']} waits for"
+            )
+        more = len(waits) - WAITS_SHOWN
+        line = f"{rank_label(rank, where)} hangs: it never reached " + ", nor ".join(clauses)
+        if more > 0:
+            line += f" (and {more} more ops wait on it)"
+        place = _place_in(obs.stacks.get(rank, ""), obs.sources.get(rank))
+        lines.append(line + (f"; {rank_label(rank, where)} is {place}" if place else ""))
+    return lines
+
+
+#: The most waits on one rank a hold-up line spells out.
+WAITS_SHOWN = 3
+
+
 def _holdups(obs: Observation, skip: set[int] | frozenset[int] = frozenset()) -> list[str]:
     """The ranks that hold the others up, grouped: those still running that never entered the
-    collective their peers wait in ("hang"), and those that ended their test without it. Ranks
-    in ``skip`` (still importing) are said to be elsewhere."""
+    collective their peers wait in ("hang"), and those that ended their test without it; then
+    those still running, in no call, that never reached the message a peer waits for. Ranks in
+    ``skip`` (still importing) are said to be elsewhere."""
     where = obs.where
     keys: dict[int, tuple[str, str, tuple[int, ...]]] = {}
     for rank, (what, waiters) in never_entered(obs.records).items():
@@ -241,7 +316,7 @@ def _holdups(obs: Observation, skip: set[int] | frozenset[int] = frozenset()) ->
                 f"{who} {state} without entering {what}, which "
                 f"{ranks_phrase(waiting, where)} {wait} in"
             )
-    return lines
+    return lines + _p2p_holdups(obs, skip)
 
 
 def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
@@ -270,8 +345,7 @@ def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
         if len(pending) > PENDING_SHOWN:
             more = sorted(pending)[PENDING_SHOWN:]
             parts.append(f"  ({ranks_phrase(more, where)} have pending ops too)")
-        if obs.deadlock or any("no matching" in line for line in p2p):
-            parts.append(f"  {P2P_ADVICE}")
+        parts.extend(f"  {line}" for line in _p2p_advice(obs))
     blocked = [r for r, es in obs.records.items() if blocking_entry(es) is not None]
     importing = any(importing_in(obs.stacks.get(r, "")) for r in obs.stragglers)
     if hung and not blocked and not obs.deadlock and not importing:
@@ -284,12 +358,32 @@ def calls_section(obs: Observation, *, hung: bool = True) -> list[str]:
     return parts
 
 
-#: What a report says where point-to-point ops are involved.
-P2P_ADVICE = (
+#: What a report says where ranks' point-to-point ops wait on each other in a cycle.
+P2P_CYCLE_ADVICE = (
     "A blocking send waits until its receive is posted (gloo, nccl): two ranks that both send "
-    "first, or both receive first, wait for each other. Each send needs a receive of the same "
-    "size and tag on its peer; use isend/irecv or batch_isend_irecv, or order calls by rank."
+    "first, or both receive first, wait for each other; use isend/irecv or batch_isend_irecv, "
+    "or order the calls by rank."
 )
+#: What a report says where a rank waits in a message whose peer issued no partner for it.
+P2P_MATCH_ADVICE = "Each send needs a receive of the same size and tag on its peer."
+
+
+def _p2p_advice(obs: Observation) -> list[str]:
+    """The advice that fits the ranks' waits: a cycle's (the order of the calls), else a
+    mismatch's where a rank waits on a peer that is not just busy elsewhere (see
+    :func:`_p2p_holdups`), else none."""
+    if p2p_cycle(obs.records, obs.channels):
+        return [P2P_CYCLE_ADVICE]
+    busy = _busy(obs)
+    if any(
+        e.get("peer") not in busy and unmatched(obs.records, obs.channels, rank, e)
+        for rank, ops in pending_p2p(obs.records).items()
+        for e in ops
+    ):
+        return [P2P_MATCH_ADVICE]
+    return []
+
+
 #: The most ranks whose pending point-to-point ops a report lists one by one.
 PENDING_SHOWN = 8
 

@@ -23,7 +23,7 @@ from fsdp_testing._report.hang_report import (
     timeout_report,
 )
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.p2p import describe_p2p, unmatched
+from fsdp_testing._report.p2p import describe_p2p, dtype_mismatches, unmatched
 from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
 
 __all__ = ["Observation", "Verdict", "VerdictOutcome", "judge"]
@@ -66,6 +66,8 @@ def judge(obs: Observation) -> Verdict:
         for note in res.notes:
             by_note.setdefault(note, []).append(rank)
     verdict.notes = [f"{ranks_phrase(ranks, obs.where)}: {note}" for note, ranks in by_note.items()]
+    # Messages received as another dtype of the same size: gloo allows it, code may mean it.
+    verdict.notes += dtype_mismatches(obs.records, obs.where)
     return verdict
 
 

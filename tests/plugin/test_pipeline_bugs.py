@@ -1,8 +1,10 @@
 """Pipeline code under the harness (issue 47): point-to-point ops and torch's pipelining schedules
 run unchanged in process, thread and local mode; a user's planted bugs (wrong peer, forgotten
 gradient scale, an order that deadlocks, both ranks receiving first, sizes that differ, a send
-to oneself, a send nobody receives) each fail with a report naming the ranks, the ops, their
-peers and the lines, and a wait cycle ends its test long before the timeout."""
+to oneself, a send nobody receives, another tag, a peer busy past the timeout) each fail with a
+report naming the ranks, the ops, their peers and the lines, and a wait cycle ends its test long
+before the timeout, with the same report in every mode; a message read as another dtype of its
+size passes with a warning."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def test_correct_code_runs_unchanged(run: Run, name: str) -> None:
     assert case.outcome == "passed", case.text
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["process", "thread", "local"])
 def test_a_receive_cycle_ends_the_test_at_once(run: Run, mode: str) -> None:
     case = run.cases[f"test_deadlock_{mode}"]
     at = _at("deadlock", "dist.recv(t, 1 - rank)  # planted: both ranks receive first")
@@ -65,19 +67,20 @@ def test_a_receive_cycle_ends_the_test_at_once(run: Run, mode: str) -> None:
         f"rank 0 (at {at})"
     ) in _plain(case.text)
     assert "has no matching send: rank 1 sent nothing to rank 0" in _plain(case.text)
-    assert "A blocking send waits until its receive is posted" in _plain(case.text)
+    assert _plain(case.text).count("A blocking send waits until its receive is posted") == 1
     assert "stack when the deadlock was found" in _plain(case.text)
     assert case.seconds < EARLY_S, case.seconds
 
 
-def test_local_mode_names_the_receive_cycle(run: Run) -> None:
+def test_local_mode_reports_a_deadlock_as_the_other_modes_do_once(run: Run) -> None:
     case = run.cases["test_deadlock_local"]
-    assert "LocalDeadlock" in _plain(case.message)
-    assert "rank 0 waits in recv #1 from rank 1 (at" in _plain(case.text)
-    assert "rank 1 waits in recv #1 from rank 0 (at" in _plain(case.text)
-    assert "A blocking send waits until its receive is posted" in _plain(case.text)
+    text = _plain(case.text)
+    assert "LocalDeadlock" not in text and "rank 0 failed" not in text
+    # Each rank's place once: both stopped at the same line, one stack for both.
+    assert "[ranks 0, 1 (2 of 2)] stack when the deadlock was found:" in text, text
+    assert text.count("dist.recv(t, 1 - rank)  # planted: both ranks receive first") == 1, text
     # the advice of a collective's deadlock does not fit a point-to-point one
-    assert "same collectives in the same order" not in _plain(case.text)
+    assert "same collectives in the same order" not in text
 
 
 @pytest.mark.parametrize("mode", ["process", "thread", "local"])
@@ -88,9 +91,61 @@ def test_a_message_to_the_wrong_rank_names_both_ends(run: Run, mode: str) -> Non
     assert f"rank 0 waits in send #1 to rank 2 (at {send})" in _plain(case.text)
     assert "rank 1 waits in recv #1 from rank 0" in _plain(case.text)
     assert f"its send #1 went to rank 2 instead (at {send})" in _plain(case.text)
-    if mode != "local":
-        assert "rank 2 finished the test (returned)" in _plain(case.text)
-        assert case.seconds < EARLY_S, case.seconds
+    assert "rank 2 finished the test (returned)" in _plain(case.text)
+    assert case.seconds < EARLY_S, case.seconds
+    # No order of the calls undoes a wrong peer: only the advice about matching them.
+    assert "both send first" not in _plain(case.text)
+    assert "Each send needs a receive of the same size and tag on its peer." in _plain(case.text)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread", "local"])
+def test_a_tag_mismatch_names_both_tags(run: Run, mode: str) -> None:
+    case = run.cases[f"test_tag_{mode}"]
+    send = _at("tag_mismatch", "dist.send(t, 1, tag=1)  # planted: the receiver waits for tag 0")
+    recv = _at("tag_mismatch", "dist.recv(t, 0, tag=0)")
+    assert _plain(case.message).startswith("deadlock: ranks 0, 1 can never go on"), case.message
+    assert (
+        f"rank 1's recv #1 from rank 0 at {recv} has no matching send: rank 0's send #1 to rank "
+        f"1 (at {send}) has tag 1, this recv waits for tag 0"
+    ) in _plain(case.text), _plain(case.text)
+    assert "sent nothing" not in _plain(case.text)
+    assert "both send first" not in _plain(case.text)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_peer_busy_past_the_timeout_is_blamed_where_it_is(run: Run, mode: str) -> None:
+    case = run.cases[f"test_busy_{mode}"]
+    sleep = _at("busy_peer", "time.sleep(0.1)  # planted: busy past the timeout before its send")
+    assert _plain(case.message).startswith("timed out after"), case.message
+    assert (
+        "rank 1 hangs: it never reached a send to rank 0, which rank 0's recv #1 waits for; "
+        f"rank 1 is in time.sleep at {sleep}"
+    ) in _plain(case.text), _plain(case.text)
+    # Neither a cycle nor a mismatch: rank 1 is late, the advice about them does not fit.
+    assert "both send first" not in _plain(case.text)
+    assert "Each send needs a receive" not in _plain(case.text)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread", "local"])
+def test_a_message_read_as_another_dtype_passes_with_a_warning(run: Run, mode: str) -> None:
+    assert run.cases[f"test_dtype_{mode}"].outcome == "passed"
+    send = _at("dtype_mismatch", "dist.send(torch.ones(D, dtype=torch.float32), 1)")
+    recv = _at(
+        "dtype_mismatch", "dist.recv(got, 0)  # planted: the sender's 16 bytes, read as float64"
+    )
+    message = (
+        f"RuntimeWarning: fsdp_testing: dtype mismatch: rank 0's send #1 to rank 1 at {send} "
+        f"sends float32[4] but rank 1's recv #1 from rank 0 at {recv} receives float64[2]: the "
+        "same 16 bytes, read as another dtype"
+    )
+    # pytest's warnings summary: the test's id, then the warning at the test's line.
+    warning = re.escape(f"{FILE}::test_dtype_{mode}") + r"\n  \S+:\d+: " + re.escape(message)
+    assert re.search(warning, _plain(run.stdout)), _plain(run.stdout)
+
+
+def test_correct_code_gets_no_dtype_warning(run: Run) -> None:
+    # Only the three planted tests: the ring and torch's schedules send what they receive.
+    assert run.stdout.count("RuntimeWarning: fsdp_testing: dtype mismatch") == 3, run.stdout
 
 
 @pytest.mark.parametrize("mode", ["process", "local"])
@@ -101,15 +156,12 @@ def test_an_order_where_both_ranks_send_first_deadlocks(run: Run, mode: str) -> 
         "dist.send(a, 1 - rank)  # planted: the ranks' first ops must pair a send with a recv",
     )
     assert case.outcome == "failed"
-    if mode == "process":
-        assert (
-            f"rank 0 waits in send #1 to rank 1 (at {send}) while rank 1 waits in send #1 to "
-            f"rank 0 (at {send})"
-        ) in _plain(case.text)
-        assert case.seconds < EARLY_S, case.seconds
-    else:
-        assert "rank 0 waits in send #1 to rank 1" in _plain(case.text)
-        assert "rank 1 waits in send #1 to rank 0" in _plain(case.text)
+    assert (
+        f"rank 0 waits in send #1 to rank 1 (at {send}) while rank 1 waits in send #1 to "
+        f"rank 0 (at {send})"
+    ) in _plain(case.text)
+    assert "two ranks that both send first, or both receive first" in _plain(case.text)
+    assert case.seconds < EARLY_S, case.seconds
 
 
 @pytest.mark.parametrize("mode", ["process", "local"])

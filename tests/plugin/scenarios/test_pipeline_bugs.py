@@ -2,10 +2,12 @@
 report that names the ranks, the ops and their peers, and the correct ones must pass, in
 process, thread and local mode. Run by tests/plugin/test_pipeline_bugs.py.
 
-Every test has a 60 s timeout: a wait cycle must end it long before.
+Every test has a 60 s timeout: a wait cycle must end it long before (the busy peer's test,
+which no cycle ends, has 4 s).
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -147,6 +149,33 @@ def self_send(rank):
     dist.isend(torch.ones(D), rank).wait()  # planted: (rank + 1) % world_size was meant
 
 
+def tag_mismatch(rank):
+    t = torch.ones(D)
+    if rank == 0:
+        dist.send(t, 1, tag=1)  # planted: the receiver waits for tag 0
+    else:
+        dist.recv(t, 0, tag=0)
+
+
+def busy_peer(rank):
+    t = torch.ones(D)
+    if rank == 0:
+        dist.recv(t, 1)
+    else:
+        for _ in range(600):
+            time.sleep(0.1)  # planted: busy past the timeout before its send
+        dist.send(t, 0)
+
+
+def dtype_mismatch(rank):
+    if rank == 0:
+        dist.send(torch.ones(D, dtype=torch.float32), 1)
+    else:
+        got = torch.empty(D // 2, dtype=torch.float64)
+        dist.recv(got, 0)  # planted: the sender's 16 bytes, read as float64
+        assert got.dtype == torch.float64  # gloo allows it: the test passes, with a warning
+
+
 def unmet(rank):
     if rank == 0:
         dist.isend(torch.ones(D), 2)  # planted: sent to a rank that never receives
@@ -277,6 +306,46 @@ def test_unmet_process(rank):
 @pytest.mark.distributed(world_size=3, mode="local", timeout=60)
 def test_unmet_local(rank):
     unmet(rank)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_tag_process(rank):
+    tag_mismatch(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="thread", timeout=60)
+def test_tag_thread(rank):
+    tag_mismatch(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="local", timeout=60)
+def test_tag_local(rank):
+    tag_mismatch(rank)
+
+
+@pytest.mark.distributed(world_size=2, timeout=4)
+def test_busy_process(rank):
+    busy_peer(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="thread", timeout=4)
+def test_busy_thread(rank):
+    busy_peer(rank)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_dtype_process(rank):
+    dtype_mismatch(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_dtype_thread(rank):
+    dtype_mismatch(rank)
+
+
+@pytest.mark.distributed(world_size=2, mode="local")
+def test_dtype_local(rank):
+    dtype_mismatch(rank)
 
 
 @pytest.mark.distributed(world_size=2)

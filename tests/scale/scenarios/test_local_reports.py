@@ -14,6 +14,20 @@ def test_deadlock(rank):
         dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.distributed(world_size=2, mode="local")
+def test_deadlock_any_source(rank):
+    if rank == 0:
+        dist.recv(torch.empty(2))  # from any rank: rank 1 returns, nobody sends
+
+
+@pytest.mark.distributed(world_size=3, mode="local")
+def test_deadlock_any_source_and_a_peer(rank):
+    if rank == 0:
+        dist.recv(torch.empty(2))
+    elif rank == 1:
+        dist.recv(torch.empty(2), 2)  # rank 2 returns
+
+
 @pytest.mark.distributed(world_size=3, mode="local")
 def test_mismatch(rank):
     dist.all_reduce(torch.ones(2 if rank == 1 else 1))
