@@ -4,9 +4,12 @@
 A reference cycle that holds a tensor keeps its memory until the cyclic garbage collector runs,
 which in a training loop means steps later or never; torch's pipelining tests wrap their
 schedule steps in ``check_leaked_tensors()`` and assert the list it yields is empty. Cycles that
-hold no tensor are ignored (Python code has many benign ones). The block runs after a full
-collection, under ``gc.DEBUG_SAVEALL``, so what the collection at its end finds unreachable is
-kept for inspection instead of freed; the tensors among it are the leak. The saved objects are
+hold no tensor are ignored (Python code has many benign ones). The block runs after full
+collections until one finds nothing (freeing garbage runs finalizers and weakref callbacks,
+which can drop the last references to more cycles: a suite's earlier tests left garbage that
+took three collections to clear, and what a single one left was counted as the block's), under
+``gc.DEBUG_SAVEALL``, so what the collection at its end finds unreachable is kept for
+inspection instead of freed; the tensors among it are the leak. The saved objects are
 released again when the block ends, so the check itself leaks nothing.
 
 The collector is per process: ranks that share a process (thread and local mode) share it, so
@@ -30,6 +33,17 @@ __all__ = ["check_leaked_tensors"]
 _lock = threading.Lock()
 _active = 0  # blocks open in this process
 _saved_debug = 0  # the collector's debug flags before the first of them
+
+
+_MAX_COLLECTIONS = 20
+"""Full collections before a block at most (see [Note: leaked tensors])."""
+
+
+def _collect_all() -> None:
+    """Collect until a collection finds nothing (``_MAX_COLLECTIONS`` at most)."""
+    for _ in range(_MAX_COLLECTIONS):
+        if gc.collect() == 0:
+            return
 
 
 def _describe(obj: Any) -> str:
@@ -61,7 +75,7 @@ def check_leaked_tensors(
             f"check_leaked_tensors(matched_type=...) takes a type such as torch.Tensor; got "
             f"{matched_type!r}"
         )
-    gc.collect()
+    _collect_all()
     with _lock:
         if _active == 0:
             _saved_debug = gc.get_debug()

@@ -239,6 +239,14 @@ class _Arrival:
             except SystemExit:
                 # torch's collectives exit a rank woken by the harness with
                 # sys.exit("Test termination event occurs."): the test never called it.
+                if getattr(self.collective, "_done", False):
+                    # Group rank 0 had moved the data before a peer failed and the harness woke
+                    # the waits: the collective completed, and the rank goes on to its own
+                    # outcome (reported aborted, it would hide its own error whenever it was
+                    # slower to leave the wait than its peer was to fail).
+                    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+                    return mtpg.ret_work(data)
                 if _terminated():
                     raise Aborted() from None
                 raise

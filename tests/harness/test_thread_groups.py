@@ -88,3 +88,30 @@ def test_a_rank_woken_in_torchs_collective_is_stopped_not_exited():
             _Arrival(Woken(), _Calls(1, 1, "the default group"), 0, None).join(0, [])
     finally:
         mtpg.ProcessLocalGroup._terminate = saved
+
+
+def test_a_rank_woken_after_its_collective_completed_goes_on():
+    # Rank 0 moved the data and failed at once; the harness woke the waits before rank 1 left
+    # its own: the collective completed, so rank 1 runs on to its own outcome (it was reported
+    # aborted, or failed, depending on which thread was faster).
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    from fsdp_testing._launch.thread_group import _Arrival, _Calls
+
+    class CompletedThenWoken:
+        _done = True
+
+        def join(self, rank, data):
+            mtpg.ProcessLocalGroup._terminate = terminate
+            raise SystemExit("Test termination event occurs.")
+
+    terminate = threading.Event()
+    terminate.set()
+    saved = mtpg.ProcessLocalGroup._terminate
+    try:
+        work = _Arrival(CompletedThenWoken(), _Calls(1, 1, "the default group"), 0, None).join(
+            1, [torch.ones(2)]
+        )
+    finally:
+        mtpg.ProcessLocalGroup._terminate = saved
+    assert work.wait()

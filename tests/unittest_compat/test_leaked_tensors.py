@@ -40,6 +40,32 @@ def test_a_block_without_cycles_finds_nothing() -> None:
     assert leaked == []
 
 
+def test_garbage_left_before_the_block_is_not_the_blocks() -> None:
+    # Freeing one cycle (its finalizer) drops the last reference to another that holds a tensor:
+    # only a second collection finds that one, and it was made before the block.
+    holder: list[Any] = []
+    _leak_into(holder, torch.ones(2))
+
+    class Dropper:
+        def __del__(self) -> None:
+            holder.clear()
+
+    dropper = Dropper()
+    dropper.me = dropper  # type: ignore[attr-defined]
+    del dropper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with check_leaked_tensors() as leaked:
+            pass
+    assert leaked == []
+
+
+def _leak_into(holder: list[Any], tensor: torch.Tensor) -> None:
+    cycle: list[Any] = [tensor]
+    cycle.append(cycle)
+    holder.append(cycle)
+
+
 def test_matched_type_and_limit() -> None:
     class Marker:
         pass
