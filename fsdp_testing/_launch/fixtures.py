@@ -32,8 +32,11 @@ __all__ = [
     "world_size",
 ]
 
-#: The fixtures whose value exists only on a rank; a fixture requesting one runs on the ranks.
-ON_RANKS = ("rank", "process_group", "device")
+#: The fixtures that make a fixture requesting them run on the ranks: those whose value exists
+#: only on a rank, and ``world_size``, which the parent knows too but which a fixture requests
+#: to build what belongs to a rank (``init_device_mesh("cpu", (world_size,))``: run in the
+#: parent, that made torch's "environment variable RANK expected" error).
+ON_RANKS = ("rank", "process_group", "device", "world_size")
 
 
 def _require_marker(request: pytest.FixtureRequest, name: str) -> DistSpec:

@@ -1,5 +1,5 @@
-"""Fixtures on the ranks (issue 49): a fixture that requests ``rank``, ``process_group`` or
-``device`` is set up and torn down on each rank, with pytest's scopes, parameters, ``request``
+"""Fixtures on the ranks (issue 49): a fixture that requests ``rank``, ``world_size``,
+``process_group`` or ``device`` is set up and torn down on each rank, with pytest's scopes, parameters, ``request``
 and yield teardown; its errors are the rank's; broader scopes stay on warm ranks until they end;
 what cannot work is found at collection and fails that test at setup, naming the fixture
 and the fix."""
@@ -34,6 +34,8 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, list[dict]]:
         "test_thread_mode[sum]",
         "test_thread_mode[max]",
         "test_local_mode",
+        "test_a_mesh_from_world_size_alone",
+        "test_a_mesh_from_world_size_alone_thread_mode",
     ],
 )
 def test_fixtures_run_on_each_rank(record: tuple[Run, list[dict]], name: str) -> None:

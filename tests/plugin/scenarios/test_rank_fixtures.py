@@ -113,5 +113,23 @@ def test_local_mode(trained, rank):
     assert trained.module.weight.grad is not None
 
 
+@pytest.fixture
+def mesh(world_size):
+    # Only world_size requested: a mesh is a rank's, so this runs on the ranks too.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_mesh_from_world_size_alone(mesh, rank):
+    assert mesh.get_local_rank() == rank and mesh.size() == 2
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_a_mesh_from_world_size_alone_thread_mode(mesh, rank):
+    assert mesh.get_local_rank() == rank and mesh.size() == 2
+
+
 def test_not_distributed(ddp_model):
     pass
