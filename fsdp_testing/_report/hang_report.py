@@ -27,7 +27,13 @@ from fsdp_testing._report.failure import USER_FACING_PRIVATE, mask, message_of
 from fsdp_testing._report.grouping import group_ranks
 from fsdp_testing._report.imports import Importing, importing
 from fsdp_testing._report.observation import Observation
-from fsdp_testing._report.p2p import describe_p2p, never_reached, pending_p2p, unmatched
+from fsdp_testing._report.p2p import (
+    describe_p2p,
+    never_reached,
+    pending_p2p,
+    tag_mismatch,
+    unmatched,
+)
 from fsdp_testing._report.text import rank_label, ranks_heading, ranks_phrase, short_place
 
 __all__ = [
@@ -369,17 +375,24 @@ P2P_MATCH_ADVICE = "Each send needs a receive of the same size and tag on its pe
 
 
 def _p2p_advice(obs: Observation) -> list[str]:
-    """The advice that fits the ranks' waits: a cycle's (the order of the calls), else a
-    mismatch's where a rank waits on a peer that is not just busy elsewhere (see
-    :func:`_p2p_holdups`), else none."""
-    if p2p_cycle(obs.records, obs.channels):
+    """The advice that fits the ranks' waits: a mismatch's where a rank's op and its peer's
+    partner differ in tag (a cycle of sends whose receives wait under another tag is not undone
+    by ordering the calls), else a cycle's (the order of the calls), else a mismatch's where a
+    rank waits on a peer that is not just busy elsewhere (see :func:`_p2p_holdups`), else
+    none."""
+    records, channels = obs.records, obs.channels
+    unmet = [
+        (rank, e)
+        for rank, ops in pending_p2p(records).items()
+        for e in ops
+        if unmatched(records, channels, rank, e)
+    ]
+    if any(tag_mismatch(records, rank, e) for rank, e in unmet):
+        return [P2P_MATCH_ADVICE]
+    if p2p_cycle(records, channels):
         return [P2P_CYCLE_ADVICE]
     busy = _busy(obs)
-    if any(
-        e.get("peer") not in busy and unmatched(obs.records, obs.channels, rank, e)
-        for rank, ops in pending_p2p(obs.records).items()
-        for e in ops
-    ):
+    if any(e.get("peer") not in busy for _, e in unmet):
         return [P2P_MATCH_ADVICE]
     return []
 

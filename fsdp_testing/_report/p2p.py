@@ -244,6 +244,12 @@ def _on_tag(entry: dict[str, Any]) -> str:
     return f" with tag {tag}" if tag else ""
 
 
+def tag_mismatch(records: Records, rank: int, entry: dict[str, Any]) -> bool:
+    """Whether the peer of ``entry`` (a pending op of ``rank``) waits in the op that would meet
+    it but for its tag."""
+    return _other_tag(records, rank, entry, None) is not None
+
+
 def _other_tag(
     records: Records, rank: int, entry: dict[str, Any], where: Mapping[int, str] | None
 ) -> str | None:

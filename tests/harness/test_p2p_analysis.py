@@ -228,6 +228,19 @@ def test_only_a_cycle_gets_the_advice_about_order() -> None:
     assert "Each send needs a receive of the same size and tag on its peer." in wrong
 
 
+def test_a_cycle_of_sends_whose_receives_wait_under_another_tag_gets_the_tag_advice() -> None:
+    # A ring of isend/irecv pairs: each rank waits in its isend, and its peer's irecv for it is
+    # posted, with another tag. Ordering the calls would not help; the tags would.
+    def ring_rank(rank: int) -> list[dict[str, Any]]:
+        send = _p2p("send", 1, 1 - rank, "waiting", tag=rank)
+        recv = _p2p("recv", 1, 1 - rank, "issued", tag=9)
+        return [send, recv]
+
+    report = _hang({0: ring_rank(0), 1: ring_rank(1)}, {})
+    assert "Each send needs a receive of the same size and tag on its peer." in report, report
+    assert "both send first" not in report
+
+
 def test_a_message_received_as_another_dtype_of_its_size_is_a_warning() -> None:
     # float32[4] received into float64[2]: gloo copies the 16 bytes; correct code may mean it.
     send = _p2p("send", 1, 1, "completed")
