@@ -230,9 +230,12 @@ class _Arrival:
         # Checked before the arrival, so that the error is the rank's whatever its peers do.
         gathered = type(self._op).__name__ == "AllGather"
         wrong = gathered and bool(_gather_outputs_that_differ(data))
-        self._calls.arrive(self._me, call, will_raise=wrong)
+        splits = _split_problem(self._op, data, self._calls.size)
+        self._calls.arrive(self._me, call, will_raise=wrong or splits is not None)
         if gathered:
             _validate_gathered(data, self._me, call)
+        if splits is not None:
+            raise RuntimeError(f"[rank {self._me}] mode='thread': {call}: {splits}")
         with thread_turns.waiting():
             try:
                 return self.collective.join(group_rank, data)
@@ -351,6 +354,35 @@ def _gather_outputs_that_differ(data: Any) -> str:
     if all(o.numel() == inputs[0].numel() and o.dtype == inputs[0].dtype for o in outputs):
         return ""
     return describe_call("", outputs)[1:-1]
+
+
+def _split_problem(op: Any, data: Any, size: int) -> str | None:
+    """What is wrong with one rank's ``all_to_all_single`` splits, as gloo checks them on every
+    rank (each split list has one size per rank and sums to its tensor's first dim; without
+    one, that dim divides by the group's size); None when nothing is. torch's threaded group
+    checks nothing and fails in group rank 0's thread on a copy of mismatched sizes, blaming
+    rank 0 and aborting its peers."""
+    if type(op).__name__ != "AllToAllBase":
+        return None
+    output, input_, out_splits, in_splits = data
+    for what, tensor, splits in (("input", input_, in_splits), ("output", output, out_splits)):
+        rows = tensor.size(0) if tensor.dim() else 1
+        if splits is None or len(splits) == 0:
+            if rows % size:
+                return (
+                    f"the {what}'s first dim ({rows}) does not divide by the group's {size} "
+                    f"ranks; pass {what}_split_sizes (gloo: Tensor's dim 0 does not divide "
+                    "equally across group size)"
+                )
+            continue
+        sizes = [int(x) for x in splits]
+        if len(sizes) != size or sum(sizes) != rows:
+            return (
+                f"{what}_split_sizes {sizes} must give one size per rank of the group's {size} "
+                f"and sum to the {what}'s first dim ({rows}) (gloo: Split sizes doesn't match "
+                "total dim 0 size)"
+            )
+    return None
 
 
 def _validate_gathered(data: Any, me: int, call: str) -> None:

@@ -131,3 +131,42 @@ def test_an_all_gather_output_that_cannot_hold_the_inputs_fails(
             "output must hold one tensor of the input's size and dtype per rank*",
         ]
     )
+
+
+ALL_TO_ALL_SPLITS = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_splits_that_do_not_sum_to_the_input(rank):
+    out = torch.empty(4)
+    dist.all_to_all_single(out, torch.ones(6), [2, 2], [2, 2])  # planted: the input has 6 rows
+
+
+@pytest.mark.distributed(world_size=2, mode="thread")
+def test_uneven_splits(rank):
+    sent = [1, 2] if rank == 0 else [3, 1]  # rank 0 sends 1 row to itself, 2 to rank 1, ...
+    got = [1, 3] if rank == 0 else [2, 1]
+    out = torch.empty(sum(got))
+    dist.all_to_all_single(out, torch.full((sum(sent),), float(rank)), got, sent)
+    assert out.tolist() == ([0.0] + [1.0] * 3 if rank == 0 else [0.0] * 2 + [1.0])
+"""
+
+
+def test_all_to_all_splits_that_do_not_fit_fail_every_rank_as_gloo_does(
+    pytester: pytest.Pytester,
+) -> None:
+    # torch's threaded group checks no split and failed in group rank 0's thread on a copy of
+    # mismatched sizes: rank 0 blamed, rank 1 aborted. gloo raises on every rank.
+    pytester.makepyfile(ALL_TO_ALL_SPLITS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "ranks 0, 1 (2 of 2) failed: RuntimeError: [[]rank ?[]] mode='thread': "
+            "all_to_all_single: input_split_sizes [[]2, 2[]] must give one size per rank of the "
+            "group's 2 and sum to the input's first dim (6)*",
+        ]
+    )
