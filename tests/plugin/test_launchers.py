@@ -33,10 +33,21 @@ def _many_tests(n: int) -> str:
     return "\n".join(body)
 
 
+def test_xdist_runs_many_distributed_tests(tmp_path: Path) -> None:
+    _run_many_under_xdist(tmp_path, attempts=1)
+
+
+# The same, three sessions in a row (each with its own fork server and ranks): 36 s of the
+# default suite's time, kept for --run-slow; the default suite runs one.
+@pytest.mark.slow
 def test_xdist_runs_many_distributed_tests_three_times(tmp_path: Path) -> None:
+    _run_many_under_xdist(tmp_path, attempts=3)
+
+
+def _run_many_under_xdist(tmp_path: Path, attempts: int) -> None:
     (tmp_path / "test_many.py").write_text(_many_tests(44))
     tag = f"fsdp-testing-xdist-{os.getpid()}"
-    for attempt in range(3):
+    for attempt in range(attempts):
         proc = subprocess.run(
             [
                 sys.executable,
