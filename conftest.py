@@ -25,12 +25,14 @@ LONGEST_FIRST = (
     "tests/plugin/test_pool.py",  # 53
     "tests/plugin/test_with_coverage.py",  # 47 (November 29, run alone)
     "tests/unittest_compat/test_torch_port.py",  # 45
-    "tests/plugin/test_launchers.py",  # 44
     "tests/library/test_parity.py",  # 35
+    "tests/plugin/test_pipeline_bugs.py",  # 34 (December 6, run alone)
     "tests/unittest_compat/test_testcase.py",  # 34
     "tests/plugin/test_options.py",  # 32
     "tests/plugin/test_with_timeout.py",  # 31 (November 29, run alone)
+    "tests/plugin/test_isolation.py",  # 30 (December 6, run alone)
     "tests/cli/test_trace.py",  # 30
+    "tests/plugin/test_rank_fixtures.py",  # 28 (December 6, run alone)
     "tests/plugin/test_with_other_plugins.py",  # 26 (November 29, run alone)
     "tests/core/graph/test_trace.py",  # 26
     "tests/scale/test_local_exact.py",  # 26
@@ -38,11 +40,13 @@ LONGEST_FIRST = (
     "tests/cli/test_plan_vs_recorder.py",  # 24
     "tests/unittest_compat/test_dtensor_port.py",  # 24 (December 6, run alone)
     "tests/core/test_dcp_wrapper.py",  # 23
+    "tests/plugin/test_fork_server_start.py",  # 23 (December 6, run alone)
     "tests/plugin/test_outcomes.py",  # 23
     "tests/core/graph/test_engine.py",  # 23
     "tests/core/test_fully_shard.py",  # 21
     "tests/plugin/test_faults.py",  # 21
     "tests/core/test_checkpoint_reshard.py",  # 21
+    "tests/plugin/test_launchers.py",  # 20 (44 before its xdist session ran once, December 6)
     "tests/core/test_hybrid.py",  # 19
     "tests/plugin/test_partial.py",  # 18
     "tests/plugin/test_soak.py",  # 16
