@@ -79,14 +79,16 @@ class _LocalTensorClass:
     def init_manual_seed_for_rank(self) -> None:
         torch.manual_seed(0)
 
-    def _local_setup(self) -> None:
+    def setUp(self) -> None:
+        super().setUp()  # type: ignore[misc]
         torch.autograd._enable_record_function(False)
 
-    def _local_teardown(self) -> None:
+    def tearDown(self) -> None:
         from torch.distributed.tensor import _random
 
         _random._rng_tracker = None
         torch.autograd._enable_record_function(True)
+        super().tearDown()  # type: ignore[misc]
 
 
 class _FakeGroupMethods:
@@ -139,26 +141,10 @@ class LocalDTensorTestBase(_FakeGroupMethods, _LocalTensorClass, DTensorTestBase
     process under ``LocalTensorMode``, run in fake mode (see [Note: LocalTensorMode classes in
     fake mode])."""
 
-    def setUp(self) -> None:
-        super().setUp()
-        self._local_setup()
-
-    def tearDown(self) -> None:
-        self._local_teardown()
-        super().tearDown()
-
 
 class LocalDTensorOpTestBase(_FakeGroupMethods, _LocalTensorClass, DTensorOpTestBase):
     """torch's ``LocalDTensorOpTestBase``: :class:`DTensorOpTestBase`'s world simulated in one
     process under ``LocalTensorMode``, run in fake mode."""
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._local_setup()
-
-    def tearDown(self) -> None:
-        self._local_teardown()
-        super().tearDown()
 
     def _spawn_threads(self) -> None:
         """The world lives in this process: nothing to spawn."""
@@ -172,14 +158,6 @@ class LocalDTensorContinuousTestBase(_LocalTensorClass, DTensorContinuousTestBas
     def _declared_world_size(self) -> Any:
         declared = super()._declared_world_size()
         return NUM_DEVICES if declared == -2 else declared
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._local_setup()
-
-    def tearDown(self) -> None:
-        self._local_teardown()
-        super().tearDown()
 
 
 def make_wrapped(fn: Callable[..., Any], ctxs: Iterable[Any]) -> Callable[..., Any]:

@@ -247,15 +247,12 @@ def _on_tag(entry: dict[str, Any]) -> str:
 def tag_mismatch(records: Records, rank: int, entry: dict[str, Any]) -> bool:
     """Whether the peer of ``entry`` (a pending op of ``rank``) waits in the op that would meet
     it but for its tag."""
-    return _other_tag(records, rank, entry, None) is not None
+    return _other_tag_op(records, rank, entry) is not None
 
 
-def _other_tag(
-    records: Records, rank: int, entry: dict[str, Any], where: Mapping[int, str] | None
-) -> str | None:
-    """``rank 0's send #1 to rank 1 (at ...) has tag 1, this recv waits for tag 0``: the peer's
-    pending op of the other kind between the same two ranks on the same group, with another tag
-    (the ops would meet but for their tags); None when there is none."""
+def _other_tag_op(records: Records, rank: int, entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The peer's pending op of the other kind between the same two ranks on the same group,
+    with another tag (the ops would meet but for their tags); None when there is none."""
     peer, tag = int(entry["peer"]), int(entry.get("tag", 0))
     want = "recv" if entry["family"] == "send" else "send"
     for e in records.get(peer, []):
@@ -267,15 +264,28 @@ def _other_tag(
             and e["group"] == entry["group"]
             and int(e.get("tag", 0)) != tag
         ):
-            at = f" (at {short_place(e['at'])})" if e.get("at") else ""
-            way = "to" if want == "send" else "from"
-            verb = "has" if want == "send" else "waits for"
-            mine = "waits for" if want == "send" else "has"
-            return (
-                f"{rank_label(peer, where)}'s {e['op']} #{e['n']} {way} {rank_label(rank, where)}"
-                f"{at} {verb} tag {int(e.get('tag', 0))}, this {entry['op']} {mine} tag {tag}"
-            )
+            return e
     return None
+
+
+def _other_tag(
+    records: Records, rank: int, entry: dict[str, Any], where: Mapping[int, str] | None
+) -> str | None:
+    """``rank 0's send #1 to rank 1 (at ...) has tag 1, this recv waits for tag 0``: the op of
+    :func:`_other_tag_op` in words; None when there is none."""
+    e = _other_tag_op(records, rank, entry)
+    if e is None:
+        return None
+    peer, tag = int(entry["peer"]), int(entry.get("tag", 0))
+    want = e["family"]
+    at = f" (at {short_place(e['at'])})" if e.get("at") else ""
+    way = "to" if want == "send" else "from"
+    verb = "has" if want == "send" else "waits for"
+    mine = "waits for" if want == "send" else "has"
+    return (
+        f"{rank_label(peer, where)}'s {e['op']} #{e['n']} {way} {rank_label(rank, where)}"
+        f"{at} {verb} tag {int(e.get('tag', 0))}, this {entry['op']} {mine} tag {tag}"
+    )
 
 
 def _instead(

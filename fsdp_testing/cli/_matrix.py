@@ -5,6 +5,7 @@ Nothing here imports torch, so option parsing and ``--help`` stay fast.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 
@@ -15,6 +16,7 @@ __all__ = [
     "HYBRID_STRATEGIES",
     "MODELS",
     "Config",
+    "add_user_model_options",
     "build_matrix",
     "parse_axis",
     "row_world_size",
@@ -30,6 +32,25 @@ MODELS: dict[str, tuple[str, str]] = {
     "nonuniform": ("NonUniformReqGradNWM", "ddp"),
     "moe": ("MixtureOfExperts", "self"),
 }
+
+
+def add_user_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--input-shape`` and ``--wrap``: what a ``package.module:callable`` model needs beyond
+    itself (``check``, ``trace`` and ``plan`` take them alike)."""
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="SHAPE[:DTYPE]",
+        help="package.module:callable models without get_input: one positional input, e.g. "
+        "8,1024 or 8,512:int64 (repeat for several)",
+    )
+    parser.add_argument(
+        "--wrap",
+        metavar="CLASS,...",
+        help="package.module:callable models: module classes that become units (default: "
+        "the root only)",
+    )
+
 
 #: Every axis with the values it accepts.
 AXES: dict[str, tuple[str, ...]] = {

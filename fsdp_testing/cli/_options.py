@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._matrix import AXES, MODELS, Config, parse_axis
+from ._matrix import AXES, MODELS, Config, add_user_model_options, parse_axis
 from ._parallel import (
     REFERENCES,
     ParallelConfig,
@@ -76,19 +76,7 @@ def add_row_options(parser: argparse.ArgumentParser, *, one_value: bool, default
             help=f"{'one of' if one_value else 'values:'} {listed} (default: {default})"
             + _NAMED_HELP.get(axis, ""),
         )
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        metavar="SHAPE[:DTYPE]",
-        help="package.module:callable models without get_input: one positional input, e.g. "
-        "8,1024 or 8,512:int64 (repeat for several)",
-    )
-    parser.add_argument(
-        "--wrap",
-        metavar="CLASS,...",
-        help="package.module:callable models: module classes that become units (default: "
-        "the root only)",
-    )
+    add_user_model_options(parser)
     parser.add_argument(
         "--parallelize",
         metavar="PKG.MOD:CALLABLE",

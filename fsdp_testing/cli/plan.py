@@ -18,7 +18,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._matrix import AXES
+from ._matrix import AXES, add_user_model_options
 from ._plan_args import BACKENDS, ENGINES, OPTIMIZERS, PlanError, PlanRequest, parse_request
 
 if TYPE_CHECKING:
@@ -69,19 +69,7 @@ def add_parser(subparsers: Any) -> None:
         default="gloo",
         help=f"{', '.join(BACKENDS)}: whose collective buffers the peak counts (default gloo)",
     )
-    parser.add_argument(
-        "--wrap",
-        metavar="CLASS,...",
-        help="package.module:callable models: module classes that become units (default: "
-        "the root only)",
-    )
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        metavar="SHAPE[:DTYPE]",
-        help="package.module:callable models without get_input: one positional input, e.g. "
-        "8,1024 or 8,512:int64 (repeat for several)",
-    )
+    add_user_model_options(parser)
     parser.add_argument("--json", metavar="PATH", help="write every rank's numbers as JSON")
     parser.set_defaults(run=run)
 
